@@ -1,0 +1,207 @@
+"""Llama / Qwen2 / Qwen3 decoder in packed layout: every linear sees exactly the real tokens.
+
+Prefill runs over `[ΣL, hidden]` with `cu_seqlens` marking the sequences; decode runs W beams that
+share one prompt K/V (`[Lp, kv_heads, d]`, stored once) and each own a suffix K/V
+(`[W, S, kv_heads, d]`). The module knows nothing of tasks, search or quantisation.
+"""
+
+from typing import Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import packed_attention_ref, prefix_suffix_attention_ref
+from slm_core.errors import SpecError
+from slm_core.spec import ModelSpec
+
+KV = tuple[torch.Tensor, torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # As transformers: normalise in fp32, cast back, then scale in the model dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, H, D]; cos, sin: [T, D] (or [1, D]) in x's dtype. Half-split RoPE (rotate_half).
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.spec = spec
+        self.qkv = nn.Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size, bias=spec.qkv_bias)
+        self.o = nn.Linear(spec.q_size, spec.hidden_size, bias=spec.o_bias)
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.scale = spec.head_dim**-0.5
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        s = self.spec
+        q, k, v = self.qkv(x).split([s.q_size, s.kv_size, s.kv_size], dim=-1)
+        q = q.view(-1, s.num_heads, s.head_dim)  # [T, Hq, D]
+        k = k.view(-1, s.num_kv_heads, s.head_dim)  # [T, Hkv, D]
+        v = v.view(-1, s.num_kv_heads, s.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+    def prefill(self, x, cos, sin, cu_seqlens) -> tuple[torch.Tensor, KV]:
+        q, k, v = self.project(x, cos, sin)
+        o = packed_attention_ref(q, k, v, cu_seqlens, self.scale)
+        return self.o(o.flatten(1)), (k, v)
+
+    def decode(self, x, cos, sin, prefix: KV, suffix: KV | None) -> tuple[torch.Tensor, KV]:
+        q, k, v = self.project(x, cos, sin)  # one new token per beam: [W, H, D]
+        k, v = k[:, None], v[:, None]  # [W, 1, Hkv, D]
+        if suffix is not None:
+            k, v = torch.cat([suffix[0], k], dim=1), torch.cat([suffix[1], v], dim=1)
+        o = prefix_suffix_attention_ref(q, prefix[0], prefix[1], k, v, self.scale)
+        return self.o(o.flatten(1)), (k, v)
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.gate_up = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
+        self.down = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.input_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.attn = Attention(spec)
+        self.post_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+    def run(self, x: torch.Tensor, attend: Callable[[torch.Tensor], tuple[torch.Tensor, KV]]):
+        a, kv = attend(self.input_norm(x))
+        x = x + a
+        return x + self.mlp(self.post_norm(x)), kv
+
+
+class Transformer(nn.Module):
+    def __init__(self, spec: ModelSpec, max_positions: int):
+        super().__init__()
+        self.spec = spec
+        self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(Block(spec) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.max_positions = max_positions
+        self.register_buffer("cos", torch.empty(max_positions, spec.head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, spec.head_dim), persistent=False)
+        self.finish()
+
+    def finish(self) -> None:
+        """Tie the embeddings and fill the RoPE tables; call again after `to_empty`."""
+        if self.spec.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        # RoPE tables [max_positions, D] in fp32 like transformers, cast to the model dtype at use.
+        inv_freq = self.spec.rope.inv_freq(self.spec.head_dim)
+        angles = torch.outer(torch.arange(self.max_positions).float(), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1).to(self.cos.device)
+        self.cos = angles.cos()
+        self.sin = angles.sin()
+
+    @classmethod
+    def empty(cls, spec: ModelSpec, max_positions: int, dtype: torch.dtype, device: torch.device | str) -> "Transformer":
+        """A model with uninitialised weights (no random init cost), ready for load_hf_weights."""
+        with torch.device("meta"):
+            model = cls(spec, max_positions)
+        model = model.to_empty(device=device).to(dtype)
+        model.finish()
+        return model.eval().requires_grad_(False)
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+
+    def prefill(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, list[KV]]:
+        """input_ids: [T] packed; cu_seqlens: [N+1] int32. Returns hidden [T, hidden] before the
+        final norm and each layer's K/V ([T, Hkv, D] each)."""
+        idx = torch.arange(input_ids.shape[0], device=input_ids.device, dtype=cu_seqlens.dtype)
+        seq = torch.searchsorted(cu_seqlens[1:], idx, right=True)
+        x = self.embed(input_ids)
+        cos, sin = self._rope(idx - cu_seqlens[seq], x.dtype)  # per-sequence positions
+        kvs = []
+        for layer in self.layers:
+            x, kv = layer.run(x, lambda h, a=layer.attn: a.prefill(h, cos, sin, cu_seqlens))
+            kvs.append(kv)
+        return x, kvs
+
+    def decode(
+        self, input_ids: torch.Tensor, position: int | torch.SymInt, prefix: list[KV], suffix: list[KV] | None
+    ) -> tuple[torch.Tensor, list[KV]]:
+        """One token for each of W beams at the same `position`. input_ids: [W]. prefix: per layer
+        the prompt K/V [Lp, Hkv, D]; suffix: per layer [W, S, Hkv, D] or None before the first
+        decode. Returns hidden [W, hidden] and the suffixes grown by this token ([W, S+1, Hkv, D])."""
+        x = self.embed(input_ids)
+        cos = self.cos.narrow(0, position, 1).to(x.dtype)
+        sin = self.sin.narrow(0, position, 1).to(x.dtype)
+        grown = []
+        for i, layer in enumerate(self.layers):
+            past = None if suffix is None else suffix[i]
+            x, kv = layer.run(x, lambda h, a=layer.attn, p=prefix[i]: a.decode(h, cos, sin, p, past))
+            grown.append(kv)
+        return x, grown
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))
+
+    @torch.no_grad()
+    def load_hf_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Copy transformers-named weights in, fusing q/k/v and gate/up. Every parameter must be set."""
+        missing = []
+
+        def take(name: str) -> torch.Tensor:
+            if name not in weights:
+                missing.append(name)
+                return torch.zeros(0)
+            return weights[name]
+
+        def put(param: torch.Tensor, *names: str) -> None:
+            parts = [take(n) for n in names]
+            if not missing:
+                param.copy_(torch.cat(parts, dim=0) if len(parts) > 1 else parts[0])
+
+        put(self.embed.weight, "model.embed_tokens.weight")
+        put(self.norm.weight, "model.norm.weight")
+        if not self.spec.tie_word_embeddings:
+            put(self.lm_head.weight, "lm_head.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            a = layer.attn
+            put(layer.input_norm.weight, p + "input_layernorm.weight")
+            put(layer.post_norm.weight, p + "post_attention_layernorm.weight")
+            for kind in ("weight", "bias") if self.spec.qkv_bias else ("weight",):
+                put(getattr(a.qkv, kind), *(f"{p}self_attn.{n}_proj.{kind}" for n in "qkv"))
+            put(a.o.weight, p + "self_attn.o_proj.weight")
+            if self.spec.o_bias:
+                put(a.o.bias, p + "self_attn.o_proj.bias")
+            if a.q_norm is not None:
+                put(a.q_norm.weight, p + "self_attn.q_norm.weight")
+                put(a.k_norm.weight, p + "self_attn.k_norm.weight")
+            put(layer.mlp.gate_up.weight, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+            put(layer.mlp.down.weight, p + "mlp.down_proj.weight")
+            if self.spec.mlp_bias:
+                put(layer.mlp.gate_up.bias, p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias")
+                put(layer.mlp.down.bias, p + "mlp.down_proj.bias")
+        if missing:
+            raise SpecError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")

@@ -1,0 +1,228 @@
+"""Frozen, typed specs: model architecture, task, runtime. Parsed once; unknown keys are errors."""
+
+import dataclasses
+import difflib
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import yaml
+
+from slm_core.errors import SpecError
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+PRECISIONS = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    theta: float
+    type: Literal["default", "linear", "llama3"] = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def inv_freq(self, head_dim: int) -> "Any":
+        """[head_dim/2] fp32 inverse frequencies, as transformers' ROPE_INIT_FUNCTIONS compute them."""
+        import torch
+
+        inv = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        if self.type == "linear":
+            return inv / self.factor
+        if self.type == "llama3":
+            low_wavelen = self.original_max_position_embeddings / self.low_freq_factor
+            high_wavelen = self.original_max_position_embeddings / self.high_freq_factor
+            wavelen = 2 * math.pi / inv
+            scaled = torch.where(wavelen > low_wavelen, inv / self.factor, inv)
+            smooth = (self.original_max_position_embeddings / wavelen - self.low_freq_factor) / (
+                self.high_freq_factor - self.low_freq_factor
+            )
+            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+            medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+            return torch.where(medium, smoothed, scaled)
+        return inv
+
+    @classmethod
+    def from_hf(cls, cfg: Mapping[str, Any]) -> "RopeSpec":
+        # transformers >= 5 writes `rope_parameters`; older configs `rope_theta` + `rope_scaling`.
+        params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind not in ("default", "linear", "llama3"):
+            raise SpecError(f"rope type {kind!r} is not supported (supported: default, linear, llama3)")
+        kwargs: dict[str, Any] = {k: float(params[k]) for k in ("factor", "low_freq_factor", "high_freq_factor") if k in params}
+        if "original_max_position_embeddings" in params:
+            kwargs["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
+        return cls(theta=float(theta), type=kind, **kwargs)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    arch: Literal["llama", "qwen2", "qwen3"]
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope: RopeSpec
+    tie_word_embeddings: bool
+    qkv_bias: bool = False  # qwen2: always; llama/qwen3: `attention_bias`
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # qwen3: RMSNorm over head_dim on q and k before RoPE
+    max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        if self.arch not in ARCHITECTURES:
+            raise SpecError(f"architecture {self.arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+        if self.num_heads % self.num_kv_heads:
+            raise SpecError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf_config(cls, cfg: Mapping[str, Any]) -> "ModelSpec":
+        arch = cfg.get("model_type")
+        if arch not in ARCHITECTURES:
+            raise SpecError(f"config.json model_type {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise SpecError(f"config.json hidden_act {act!r} is not supported (only 'silu')")
+        if cfg.get("use_sliding_window"):
+            raise SpecError("config.json use_sliding_window=true is not supported")
+        heads = int(cfg["num_attention_heads"])
+        attention_bias = bool(cfg.get("attention_bias", False))
+        return cls(
+            arch=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+            intermediate_size=int(cfg["intermediate_size"]),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope=RopeSpec.from_hf(cfg),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=True if arch == "qwen2" else attention_bias,
+            o_bias=False if arch == "qwen2" else attention_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=arch == "qwen3",
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
+        )
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """The task YAML of DESIGN.md. Bounds are fixed at build time; requests beyond them are refused."""
+
+    task: Literal["score", "beam"]
+    prompt_template: str | None = None  # None: "{text}" (score) or "{prompt}" (beam)
+    labels: tuple[str, ...] = ()
+    max_texts: int = 32
+    max_text_tokens: int = 512
+    beam_width: int = 100
+    new_tokens: int = 5
+    max_prompt_tokens: int = 512
+    stop: tuple[str, ...] = ()
+    precision: str = "bf16"
+
+    def __post_init__(self):
+        if self.task not in ("score", "beam"):
+            raise SpecError(f"task must be 'score' or 'beam', got {self.task!r}")
+        for name in ("max_texts", "max_text_tokens", "beam_width", "new_tokens", "max_prompt_tokens"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise SpecError(f"task key {name!r} must be a positive integer, got {value!r}")
+        if self.precision not in PRECISIONS:
+            raise SpecError(f"task key 'precision' must be one of {sorted(PRECISIONS)}, got {self.precision!r}")
+        if not isinstance(self.template, str) or self.placeholder not in self.template:
+            raise SpecError(f"task key 'prompt_template' must be a string containing {self.placeholder!r}")
+        for name in ("labels", "stop"):
+            items = getattr(self, name)
+            if not all(isinstance(s, str) and s for s in items):
+                raise SpecError(f"task key {name!r} must be a list of non-empty strings, got {list(items)!r}")
+        if self.task == "score" and len(self.labels) < 2:
+            raise SpecError("a score task needs at least two 'labels'")
+
+    @property
+    def placeholder(self) -> str:
+        return "{text}" if self.task == "score" else "{prompt}"
+
+    @property
+    def template(self) -> str:
+        return self.prompt_template if self.prompt_template is not None else self.placeholder
+
+    @property
+    def max_seq_tokens(self) -> int:
+        """The longest sequence one graph call sees (positions needed by RoPE)."""
+        return self.max_text_tokens if self.task == "score" else self.max_prompt_tokens + self.new_tokens
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "TaskSpec":
+        if not isinstance(data, Mapping):
+            raise SpecError(f"a task spec must be a mapping, got {type(data).__name__}")
+        kwargs = _known_keys(cls, data, "task spec")
+        if "task" not in kwargs:
+            raise SpecError("task spec is missing the key 'task' (score | beam)")
+        for name in ("labels", "stop"):
+            if name in kwargs:
+                if not isinstance(kwargs[name], (list, tuple)):
+                    raise SpecError(f"task key {name!r} must be a list of strings, got {kwargs[name]!r}")
+                kwargs[name] = tuple(kwargs[name])
+        return cls(**kwargs)
+
+    @classmethod
+    def load(cls, source: "str | Path | Mapping[str, Any] | TaskSpec") -> "TaskSpec":
+        """A TaskSpec from itself, a mapping, or a YAML file path."""
+        if isinstance(source, TaskSpec):
+            return source
+        if isinstance(source, Mapping):
+            return cls.from_dict(source)
+        with open(source, encoding="utf-8") as f:
+            return cls.from_dict(yaml.safe_load(f) or {})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+
+@dataclass(frozen=True)
+class RuntimeSpec:
+    """Where and how the engine runs (the request-path settings of later issues join here)."""
+
+    device: str = "cpu"
+
+    def __post_init__(self):
+        import torch
+
+        try:
+            dev = torch.device(self.device)
+        except RuntimeError as e:
+            raise SpecError(f"runtime device {self.device!r} is not a device: {e}") from None
+        if dev.type not in ("cpu", "cuda"):
+            raise SpecError(f"runtime device {self.device!r}: only cpu and cuda are supported")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "RuntimeSpec":
+        return cls(**_known_keys(cls, data, "runtime spec"))
+
+
+def _known_keys(cls, data: Mapping[str, Any], what: str) -> dict[str, Any]:
+    known = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f" (known keys: {', '.join(known)})"
+            raise SpecError(f"unknown key {key!r} in {what}{hint}")
+    return dict(data)

@@ -1,0 +1,104 @@
+"""Packed tokenizer: strings -> template -> one contiguous int32 id buffer + cu_seqlens.
+
+The caller owns the buffers (preallocated to the task bounds, pinned on GPU hosts); this module only
+writes into them. Every bound is checked before anything is written; nothing is truncated.
+"""
+
+import numpy as np
+import tokenizers
+
+from slm_core.errors import InputError, SpecError
+from slm_core.spec import TaskSpec
+
+
+class PackedTokenizer:
+    def __init__(self, tokenizer: tokenizers.Tokenizer, task: TaskSpec):
+        self.tokenizer = tokenizer
+        self.tokenizer.no_truncation()
+        self.tokenizer.no_padding()
+        self.task = task
+        self._prefix, self._suffix = task.template.split(task.placeholder, 1)
+
+    # --- build-time lookups -------------------------------------------------------------------
+    def label_ids(self) -> list[int]:
+        """Each label's first token id (DESIGN.md). Two labels may not share one."""
+        ids = [self._encode_plain(label, "label")[0] for label in self.task.labels]
+        if len(set(ids)) != len(ids):
+            raise SpecError(f"labels {list(self.task.labels)} do not start with distinct tokens: {ids}")
+        return ids
+
+    def stop_ids(self) -> list[int]:
+        """Each stop string's token id; a stop string must be exactly one token."""
+        ids = []
+        for s in self.task.stop:
+            enc = self._encode_plain(s, "stop string")
+            if len(enc) != 1:
+                raise SpecError(f"stop string {s!r} is {len(enc)} tokens {enc}; a stop string must be one token")
+            ids.append(enc[0])
+        return ids
+
+    def _encode_plain(self, s: str, what: str) -> list[int]:
+        ids = self.tokenizer.encode(s, add_special_tokens=False).ids
+        if not ids:
+            raise SpecError(f"{what} {s!r} encodes to no token")
+        return ids
+
+    # --- request path ------------------------------------------------------------------------
+    def apply_template(self, text: str) -> str:
+        return self._prefix + text + self._suffix
+
+    def pack_texts(self, texts: object, ids_out: np.ndarray, cu_out: np.ndarray) -> tuple[int, int]:
+        """Tokenize `texts` into ids_out[:T] and cu_out[:N+1]; returns (N, T).
+
+        ids_out: int32 [max_texts * max_text_tokens]; cu_out: int32 [max_texts + 1].
+        """
+        t = self.task
+        if not isinstance(texts, (list, tuple)):
+            raise InputError(f"'texts' must be a list of strings, got {type(texts).__name__}")
+        if not texts:
+            raise InputError("'texts' is empty; send 1 to max_texts texts", bound="max_texts", limit=t.max_texts)
+        if len(texts) > t.max_texts:
+            raise InputError(
+                f"{len(texts)} texts exceed max_texts={t.max_texts}", bound="max_texts", limit=t.max_texts
+            )
+        for i, text in enumerate(texts):
+            _check_text(text, f"texts[{i}]")
+        encodings = self.tokenizer.encode_batch_fast([self.apply_template(s) for s in texts])
+        cu_out[0] = 0
+        total = 0
+        for i, enc in enumerate(encodings):
+            n = len(enc)
+            if n > t.max_text_tokens:
+                raise InputError(
+                    f"texts[{i}] is {n} tokens with the template, over max_text_tokens={t.max_text_tokens}",
+                    bound="max_text_tokens",
+                    limit=t.max_text_tokens,
+                )
+            ids_out[total : total + n] = enc.ids
+            total += n
+            cu_out[i + 1] = total
+        return len(texts), total
+
+    def pack_prompt(self, prompt: object, ids_out: np.ndarray) -> int:
+        """Tokenize one beam prompt into ids_out[:L]; returns L. ids_out: int32 [max_prompt_tokens]."""
+        _check_text(prompt, "prompt")
+        ids = self.tokenizer.encode(self.apply_template(prompt)).ids
+        bound = self.task.max_prompt_tokens
+        if len(ids) > bound:
+            raise InputError(
+                f"prompt is {len(ids)} tokens with the template, over max_prompt_tokens={bound}",
+                bound="max_prompt_tokens",
+                limit=bound,
+            )
+        ids_out[: len(ids)] = ids
+        return len(ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _check_text(text: object, where: str) -> None:
+    if not isinstance(text, str):
+        raise InputError(f"{where} must be a string, got {type(text).__name__}")
+    if not text.strip():
+        raise InputError(f"{where} is empty")
