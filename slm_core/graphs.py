@@ -18,6 +18,7 @@ class ScoreGraph(nn.Module):
         super().__init__()
         self.model = model
         # Only the label rows of the LM head are ever computed: [n_labels, hidden].
+        self.label_ids = list(label_ids)
         self.register_buffer("label_weight", model.lm_head.weight.detach()[label_ids].clone())
 
     def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:

