@@ -4,15 +4,19 @@ Both take GQA tensors as they are (q heads grouped over kv heads, K/V never expa
 FP32 and return the query dtype. They are the interface the Triton kernels implement and the
 baseline they are tested against; they favour clarity over speed (the prefill one builds a dense
 [T, T] mask, so keep T small outside tests).
+
+Layout changes go through `_to_layout` (a copy into a fresh contiguous tensor) rather than
+permute+reshape: a reshape of a permuted tensor makes torch.export guard the dynamic token count
+against 1, which would forbid one-token requests in the exported graph.
 """
 
 import torch
 
 
-def _group(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    # q: [..., Hq, D] -> [..., Hkv, G, D] fp32, where query head h reads kv head h // G (HF's repeat_kv).
-    *lead, hq, d = q.shape
-    return q.float().reshape(*lead, kv_heads, hq // kv_heads, d)
+def _to_layout(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """x.permute(dims) copied into a new contiguous fp32 tensor."""
+    out = x.new_empty([x.shape[i] for i in dims], dtype=torch.float32)
+    return out.copy_(x.permute(dims))
 
 
 def packed_attention_ref(
@@ -25,14 +29,16 @@ def packed_attention_ref(
     """
     t, hq, d = q.shape
     hkv = k.shape[1]
+    g = hq // hkv  # query head h reads kv head h // g (transformers' repeat_kv)
     idx = torch.arange(t, device=q.device, dtype=cu_seqlens.dtype)
     seq = torch.searchsorted(cu_seqlens[1:], idx, right=True)  # [T] sequence of each token
     allowed = (seq[:, None] == seq[None, :]) & (idx[None, :] <= idx[:, None])  # [Tq, Tk]
-    qg = _group(q, hkv)  # [T, Hkv, G, D]
-    s = torch.einsum("qhgd,khd->hgqk", qg, k.float()) * scale
+    # bmm over kv heads with the query group folded into M: K/V are never expanded.
+    qg = _to_layout(q.view(t, hkv, g, d), (1, 2, 0, 3)).view(hkv, g * t, d)
+    s = torch.bmm(qg, _to_layout(k, (1, 2, 0))).view(hkv, g, t, t) * scale  # [Hkv, G, Tq, Tk]
     p = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
-    o = torch.einsum("hgqk,khd->qhgd", p, v.float())
-    return o.reshape(t, hq, d).to(q.dtype)
+    o = torch.bmm(p.view(hkv, g * t, t), _to_layout(v, (1, 0, 2)))  # [Hkv, G*T, D]
+    return _to_layout(o.view(hkv, g, t, d), (2, 0, 1, 3)).view(t, hq, d).to(q.dtype)
 
 
 def prefix_suffix_attention_ref(
@@ -51,12 +57,19 @@ def prefix_suffix_attention_ref(
     parts share one softmax; only their scores are joined, never their K/V. Returns [W, Hq, D].
     """
     w, hq, d = q.shape
-    hkv = k_prefix.shape[1]
-    lp = k_prefix.shape[0]
-    qg = _group(q, hkv)  # [W, Hkv, G, D]
-    s_pre = torch.einsum("whgd,lhd->whgl", qg, k_prefix.float())
-    s_suf = torch.einsum("whgd,wshd->whgs", qg, k_suffix.float())
-    p = torch.softmax(torch.cat([s_pre, s_suf], dim=-1) * scale, dim=-1)
-    o = torch.einsum("whgl,lhd->whgd", p[..., :lp], v_prefix.float())
-    o = o + torch.einsum("whgs,wshd->whgd", p[..., lp:], v_suffix.float())
-    return o.reshape(w, hq, d).to(q.dtype)
+    lp, hkv, _ = k_prefix.shape
+    s_len = k_suffix.shape[1]
+    g = hq // hkv
+    # Prefix: all beams × the query group of one kv head form M against the shared prompt K/V.
+    q_pre = _to_layout(q.view(w, hkv, g, d), (1, 0, 2, 3)).view(hkv, w * g, d)
+    s_pre = torch.bmm(q_pre, _to_layout(k_prefix, (1, 2, 0))).view(hkv, w, g, lp)
+    # Suffix: each beam against its own tokens.
+    q_suf = q.float().reshape(w * hkv, g, d)
+    k_suf = _to_layout(k_suffix, (0, 2, 3, 1)).view(w * hkv, d, s_len)
+    s_suf = _to_layout(torch.bmm(q_suf, k_suf).view(w, hkv, g, s_len), (1, 0, 2, 3))  # [Hkv, W, G, S]
+    p = torch.softmax(torch.cat([s_pre, s_suf], dim=-1) * scale, dim=-1)  # one softmax over Lp + S
+    o_pre = torch.bmm(_to_layout(p[..., :lp], (0, 1, 2, 3)).view(hkv, w * g, lp), _to_layout(v_prefix, (1, 0, 2)))
+    p_suf = _to_layout(p[..., lp:], (1, 0, 2, 3)).view(w * hkv, g, s_len)
+    o_suf = torch.bmm(p_suf, _to_layout(v_suffix, (0, 2, 1, 3)).view(w * hkv, s_len, d))  # [W*Hkv, G, D]
+    o = _to_layout(o_pre.view(hkv, w, g, d), (1, 0, 2, 3)) + o_suf.view(w, hkv, g, d)
+    return o.view(w, hq, d).to(q.dtype)
