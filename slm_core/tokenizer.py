@@ -64,18 +64,17 @@ class PackedTokenizer:
         for i, text in enumerate(texts):
             _check_text(text, f"texts[{i}]")
         encodings = self.tokenizer.encode_batch_fast([self.apply_template(s) for s in texts])
-        cu_out[0] = 0
-        total = 0
         for i, enc in enumerate(encodings):
-            n = len(enc)
-            if n > t.max_text_tokens:
+            if len(enc) > t.max_text_tokens:
                 raise InputError(
-                    f"texts[{i}] is {n} tokens with the template, over max_text_tokens={t.max_text_tokens}",
+                    f"texts[{i}] is {len(enc)} tokens with the template, over max_text_tokens={t.max_text_tokens}",
                     bound="max_text_tokens",
                     limit=t.max_text_tokens,
                 )
-            ids_out[total : total + n] = enc.ids
-            total += n
+        cu_out[0] = total = 0
+        for i, enc in enumerate(encodings):
+            ids_out[total : total + len(enc)] = enc.ids
+            total += len(enc)
             cu_out[i + 1] = total
         return len(texts), total
 

@@ -10,7 +10,7 @@ def hf_score(model, ids_per_text: list[list[int]], label_ids: list[int]) -> list
     """Each text alone (no batching, no padding): softmax over the label logits at its last token."""
     rows = []
     for ids in ids_per_text:
-        logits = model(torch.tensor([ids])).logits[0, -1].float()
+        logits = model(torch.tensor([ids], device=model.device)).logits[0, -1].float()
         rows.append(torch.softmax(logits[label_ids], dim=-1).tolist())
     return rows
 

