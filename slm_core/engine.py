@@ -12,7 +12,6 @@ from typing import Any, Mapping
 import torch
 
 from slm_core.checkpoint import Checkpoint, load_checkpoint
-from slm_core.errors import SpecError
 from slm_core.graphs import BeamGraph, ScoreGraph
 from slm_core.model import Transformer
 from slm_core.spec import PRECISIONS, RuntimeSpec, TaskSpec
@@ -28,8 +27,6 @@ def build_graph(ckpt: Checkpoint, task: TaskSpec, runtime: RuntimeSpec) -> tuple
     if task.task == "score":
         graph = ScoreGraph(model, tokenizer.label_ids())
     else:
-        if 2 * task.beam_width > ckpt.spec.vocab_size:
-            raise SpecError(f"beam_width={task.beam_width} needs 2*beam_width <= vocab size {ckpt.spec.vocab_size}")
         stop = tokenizer.stop_ids()
         graph = BeamGraph(model, task.beam_width, task.new_tokens, stop, pad_id=stop[0] if stop else 0)
     return graph.to(runtime.device).eval(), tokenizer

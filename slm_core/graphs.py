@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slm_core.errors import SpecError
 from slm_core.model import Transformer
 
 NEG = -1.0e9  # transformers' "impossible" score: keeps its ordering of exhausted candidates
@@ -40,7 +41,7 @@ class BeamGraph(nn.Module):
     def __init__(self, model: Transformer, beam_width: int, new_tokens: int, stop_ids: list[int], pad_id: int):
         super().__init__()
         if 2 * beam_width > model.spec.vocab_size:
-            raise ValueError(f"beam_width={beam_width} needs 2W <= vocab size {model.spec.vocab_size}")
+            raise SpecError(f"beam_width={beam_width} needs 2 * beam_width <= vocab size {model.spec.vocab_size}")
         self.model = model
         self.width = beam_width
         self.new_tokens = new_tokens

@@ -178,8 +178,12 @@ class Transformer(nn.Module):
 
         def put(param: torch.Tensor, *names: str) -> None:
             parts = [take(n) for n in names]
-            if not missing:
-                param.copy_(torch.cat(parts, dim=0) if len(parts) > 1 else parts[0])
+            if missing:
+                return
+            value = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
+            if value.shape != param.shape:
+                raise SpecError(f"checkpoint weights {names} have shape {tuple(value.shape)}, the config implies {tuple(param.shape)}")
+            param.copy_(value)
 
         put(self.embed.weight, "model.embed_tokens.weight")
         put(self.norm.weight, "model.norm.weight")

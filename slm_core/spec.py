@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
+import torch
 import yaml
 
 from slm_core.errors import SpecError
@@ -24,10 +25,8 @@ class RopeSpec:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
 
-    def inv_freq(self, head_dim: int) -> "Any":
+    def inv_freq(self, head_dim: int) -> torch.Tensor:
         """[head_dim/2] fp32 inverse frequencies, as transformers' ROPE_INIT_FUNCTIONS compute them."""
-        import torch
-
         inv = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         if self.type == "linear":
             return inv / self.factor
@@ -52,7 +51,9 @@ class RopeSpec:
         kind = params.get("rope_type", params.get("type", "default"))
         if kind not in ("default", "linear", "llama3"):
             raise SpecError(f"rope type {kind!r} is not supported (supported: default, linear, llama3)")
-        kwargs: dict[str, Any] = {k: float(params[k]) for k in ("factor", "low_freq_factor", "high_freq_factor") if k in params}
+        kwargs: dict[str, Any] = {
+            k: float(params[k]) for k in ("factor", "low_freq_factor", "high_freq_factor") if k in params
+        }
         if "original_max_position_embeddings" in params:
             kwargs["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
         return cls(theta=float(theta), type=kind, **kwargs)
@@ -204,8 +205,6 @@ class RuntimeSpec:
     device: str = "cpu"
 
     def __post_init__(self):
-        import torch
-
         try:
             dev = torch.device(self.device)
         except RuntimeError as e:

@@ -53,3 +53,10 @@ def test_checkpoint_errors(tmp_path, random_checkpoint):
     save_file(weights, broken / "model.safetensors")
     with pytest.raises(SpecError, match="lacks 1 weights.*up_proj"):
         Engine.from_checkpoint(broken, task={"task": "score", "labels": ["yes", "no"]})
+
+
+def test_beam_width_must_fit_the_vocabulary(random_checkpoint):
+    folder, _ = random_checkpoint("qwen3")
+    vocab = load_checkpoint(folder).spec.vocab_size
+    with pytest.raises(SpecError, match="needs 2 \\* beam_width <= vocab size"):
+        Engine.from_checkpoint(folder, task={"task": "beam", "beam_width": vocab // 2 + 1})
