@@ -1,0 +1,1 @@
+"""archiver: checkpoint + task spec -> compiled graph + tokenizer + manifest -> NAME.mar."""

@@ -6,6 +6,8 @@
 """
 
 import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -57,24 +59,45 @@ class Engine:
 
     def score(self, texts: list[str]) -> list[list[float]]:
         """One probability row per text over the task's labels, in the labels' order."""
-        if self.task.task != "score":
-            raise TypeError(f"this engine runs a {self.task.task!r} task, not 'score'")
-        with self._lock, torch.inference_mode():
-            n, t = self.tokenizer.pack_texts(texts, self._ids.numpy(), self._cu.numpy())
-            ids = self._ids[:t].to(self.device, non_blocking=True)
-            cu = self._cu[: n + 1].to(self.device, non_blocking=True)
-            return self.graph(ids, cu).cpu().tolist()
+        return self.run_score(texts)[0]
 
     def beam(self, prompt: str) -> list[dict[str, Any]]:
         """All W candidates, best first: text, token ids (the stop token included), cumulative log-prob."""
-        if self.task.task != "beam":
-            raise TypeError(f"this engine runs a {self.task.task!r} task, not 'beam'")
+        return self.run_beam(prompt)[0]
+
+    def run_score(self, texts: object) -> tuple[list[list[float]], "CallStats"]:
+        self._expect("score")
+        with self._lock, torch.inference_mode():
+            n, t = self.tokenizer.pack_texts(texts, self._ids.numpy(), self._cu.numpy())
+            start = time.perf_counter()
+            ids = self._ids[:t].to(self.device, non_blocking=True)
+            cu = self._cu[: n + 1].to(self.device, non_blocking=True)
+            rows = self.graph(ids, cu).cpu().tolist()
+            return rows, CallStats(texts=n, tokens=t, graph_ms=(time.perf_counter() - start) * 1e3)
+
+    def run_beam(self, prompt: object) -> tuple[list[dict[str, Any]], "CallStats"]:
+        self._expect("beam")
         with self._lock, torch.inference_mode():
             n = self.tokenizer.pack_prompt(prompt, self._ids.numpy())
+            start = time.perf_counter()
             tokens, lengths, scores = self.graph(self._ids[:n].to(self.device, non_blocking=True))
             tokens, lengths, scores = tokens.cpu().tolist(), lengths.cpu().tolist(), scores.cpu().tolist()
+            stats = CallStats(texts=1, tokens=n, graph_ms=(time.perf_counter() - start) * 1e3)
         out = []
         for ids, length, score in zip(tokens, lengths, scores):
             ids = ids[:length]
             out.append({"text": self.tokenizer.decode(ids), "token_ids": ids, "score": score})
-        return out
+        return out, stats
+
+    def _expect(self, kind: str) -> None:
+        if self.task.task != kind:
+            raise TypeError(f"this engine runs a {self.task.task!r} task, not {kind!r}")
+
+
+@dataclass(frozen=True)
+class CallStats:
+    """What one request cost: texts and prompt tokens in, milliseconds from copy-in to results on host."""
+
+    texts: int
+    tokens: int
+    graph_ms: float

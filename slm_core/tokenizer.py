@@ -18,6 +18,9 @@ class PackedTokenizer:
         self.tokenizer.no_padding()
         self.task = task
         self._prefix, self._suffix = task.template.split(task.placeholder, 1)
+        # No token decodes to more characters than its vocabulary spelling has, so a text longer
+        # than bound × longest spelling cannot fit: refuse it before spending time tokenizing it.
+        self._longest_token = max(len(t) for t in tokenizer.get_vocab(with_added_tokens=True))
 
     # --- build-time lookups -------------------------------------------------------------------
     def label_ids(self) -> list[int]:
@@ -56,13 +59,14 @@ class PackedTokenizer:
         if not isinstance(texts, (list, tuple)):
             raise InputError(f"'texts' must be a list of strings, got {type(texts).__name__}")
         if not texts:
-            raise InputError("'texts' is empty; send 1 to max_texts texts", bound="max_texts", limit=t.max_texts)
+            raise InputError(f"'texts' is empty; send 1 to {t.max_texts} texts (max_texts)", bound="max_texts",
+                             limit=t.max_texts)
         if len(texts) > t.max_texts:
             raise InputError(
                 f"{len(texts)} texts exceed max_texts={t.max_texts}", bound="max_texts", limit=t.max_texts
             )
         for i, text in enumerate(texts):
-            _check_text(text, f"texts[{i}]")
+            self._check_text(text, f"texts[{i}]", "max_text_tokens", t.max_text_tokens)
         encodings = self.tokenizer.encode_batch_fast([self.apply_template(s) for s in texts])
         for i, enc in enumerate(encodings):
             if len(enc) > t.max_text_tokens:
@@ -80,7 +84,7 @@ class PackedTokenizer:
 
     def pack_prompt(self, prompt: object, ids_out: np.ndarray) -> int:
         """Tokenize one beam prompt into ids_out[:L]; returns L. ids_out: int32 [max_prompt_tokens]."""
-        _check_text(prompt, "prompt")
+        self._check_text(prompt, "prompt", "max_prompt_tokens", self.task.max_prompt_tokens)
         ids = self.tokenizer.encode(self.apply_template(prompt)).ids
         bound = self.task.max_prompt_tokens
         if len(ids) > bound:
@@ -92,12 +96,14 @@ class PackedTokenizer:
         ids_out[: len(ids)] = ids
         return len(ids)
 
+    def _check_text(self, text: object, where: str, bound: str, limit: int) -> None:
+        if not isinstance(text, str):
+            raise InputError(f"{where} must be a string, got {type(text).__name__}")
+        if not text.strip():
+            raise InputError(f"{where} is empty")
+        if len(text) > limit * self._longest_token:
+            raise InputError(f"{where} is {len(text)} characters, more than {bound}={limit} tokens can hold",
+                             bound=bound, limit=limit)
+
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-
-def _check_text(text: object, where: str) -> None:
-    if not isinstance(text, str):
-        raise InputError(f"{where} must be a string, got {type(text).__name__}")
-    if not text.strip():
-        raise InputError(f"{where} is empty")

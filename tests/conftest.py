@@ -110,3 +110,34 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+SCORE_TASK = {"task": "score", "prompt_template": "Query: {text} Answer:", "labels": ["yes", "no"],
+              "max_texts": 8, "max_text_tokens": 64, "precision": "fp32"}
+BEAM_TASK = {"task": "beam", "beam_width": 4, "new_tokens": 3, "max_prompt_tokens": 64, "stop": ["<|im_end|>"],
+             "precision": "fp32"}
+
+
+@pytest.fixture(scope="session")
+def archives(tmp_path_factory, random_checkpoint):
+    """Model store with tiny_score.mar and tiny_beam.mar built by the archiver CLI (CPU, fp32) from
+    the random Qwen3 checkpoint; also each archive unpacked, as TorchServe unpacks it."""
+    import zipfile
+
+    import yaml
+
+    from archiver.__main__ import main
+
+    folder, _ = random_checkpoint("qwen3")
+    root = tmp_path_factory.mktemp("archives")
+    store = root / "store"
+    out = {"store": store, "checkpoint": folder}
+    for name, task in (("tiny_score", SCORE_TASK), ("tiny_beam", BEAM_TASK)):
+        (root / f"{name}.yaml").write_text(yaml.safe_dump(task))
+        args = ["build", "--checkpoint", str(folder), "--task", str(root / f"{name}.yaml"), "--model-name", name,
+                "--export-path", str(store)]
+        assert main(args) == 0
+        unpacked = root / name
+        zipfile.ZipFile(store / f"{name}.mar").extractall(unpacked)
+        out[name] = unpacked
+    return out

@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 
 from conftest import CHAT, smollm2_path
 from slm_core import Engine, InputError, SpecError

@@ -1,0 +1,34 @@
+"""python -m archiver build --checkpoint PATH --task TASK.yaml --model-name NAME --export-path DIR [--device cpu|cuda]"""
+
+import argparse
+import sys
+
+from slm_core.errors import SpecError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="slm-archiver", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="compile a checkpoint for a task into NAME.mar")
+    b.add_argument("--checkpoint", required=True, help="HF-style directory or .gguf file")
+    b.add_argument("--task", required=True, help="task YAML (see DESIGN.md)")
+    b.add_argument("--model-name", required=True)
+    b.add_argument("--export-path", required=True, help="directory that receives NAME.mar")
+    b.add_argument("--device", default="cpu", help="cpu or cuda: where the archive will serve (build there)")
+    b.add_argument("--workers", type=int, default=1, help="TorchServe workers for this model (model-config.yaml)")
+    b.add_argument("--response-timeout", type=int, default=120, help="seconds before TorchServe restarts a worker")
+    args = parser.parse_args(argv)
+
+    from archiver.build import build
+
+    try:
+        build(args.checkpoint, args.task, args.model_name, args.export_path, args.device, args.workers,
+              args.response_timeout)
+    except (SpecError, FileNotFoundError) as e:
+        print(f"slm-archiver: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""Build a TorchServe archive (.mar) for one task.
+
+The archive holds the compiled package (graph.pt2, tokenizer.json, manifest.json), the handler,
+model-config.yaml and the slm_core/ and kernels/ sources, so it runs wherever the runtime
+dependencies (torch of the same version, tokenizers, numpy, pyyaml) are installed.
+"""
+
+import importlib.util
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from slm_core.checkpoint import load_checkpoint
+from slm_core.package import build_package
+from slm_core.spec import TaskSpec
+
+HANDLER_MODULE = "handlers.slm_handler"
+SOURCE_PACKAGES = ("slm_core", "kernels")
+
+
+def progress(message: str) -> None:
+    print(f"[archiver {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def model_config(device: str, workers: int, response_timeout: int) -> dict:
+    """TorchServe's per-model settings (model-config.yaml)."""
+    return {
+        "minWorkers": workers,
+        "maxWorkers": workers,
+        "batchSize": 1,
+        "maxBatchDelay": 0,
+        "responseTimeout": response_timeout,
+        "deviceType": "gpu" if device.startswith("cuda") else "cpu",
+    }
+
+
+def build(
+    checkpoint: str, task_path: str, model_name: str, export_path: str, device: str = "cpu",
+    workers: int = 1, response_timeout: int = 120,
+) -> Path:
+    from model_archiver.model_archiver_config import ModelArchiverConfig
+    from model_archiver.model_packaging import generate_model_archive
+
+    task = TaskSpec.load(task_path)
+    export = Path(export_path)
+    export.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f"{model_name}-") as tmp:
+        stage = Path(tmp) / "stage"
+        progress(f"loading checkpoint {checkpoint}")
+        ckpt = load_checkpoint(checkpoint)
+        manifest = build_package(ckpt, task, device, stage, progress)
+        progress(f"compiled graph matches eager: {manifest['check']}")
+        for name in SOURCE_PACKAGES:
+            src = Path(importlib.util.find_spec(name).submodule_search_locations[0])
+            shutil.copytree(src, stage / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        config = Path(tmp) / "model-config.yaml"
+        config.write_text(yaml.safe_dump(model_config(device, workers, response_timeout), sort_keys=False))
+        progress(f"writing {export / (model_name + '.mar')}")
+        generate_model_archive(ModelArchiverConfig(
+            model_name=model_name,
+            handler=importlib.util.find_spec(HANDLER_MODULE).origin,
+            version="1.0",
+            extra_files=str(stage),
+            export_path=str(export),
+            archive_format="zip-store",  # graph.pt2 is already a zip of weights: storing is as small and much faster
+            force=True,
+            config_file=str(config),
+        ))
+    mar = export / f"{model_name}.mar"
+    progress(f"done: {mar} ({mar.stat().st_size / 1e6:.0f} MB)")
+    return mar

@@ -1,0 +1,35 @@
+"""TorchServe handler: request body -> slm_core engine -> JSON. Thin by design: the protocol lives in
+slm_core.protocol, the compiled graph and its checks in slm_core.package. Travels inside the .mar,
+next to the slm_core/ and kernels/ sources it imports (the worker's PYTHONPATH holds the model dir).
+"""
+
+import logging
+
+from slm_core.package import load_package
+from slm_core.protocol import respond
+
+log = logging.getLogger(__name__)
+PHRASES = {200: "OK", 400: "Bad Request", 500: "Internal Server Error"}
+
+
+class SlmHandler:
+    def __init__(self):
+        self.engine = None
+
+    def initialize(self, ctx) -> None:
+        props = ctx.system_properties
+        self.engine = load_package(props["model_dir"], props.get("gpu_id"))
+        log.info("loaded %s task on %s", self.engine.task.task, self.engine.device)
+
+    def handle(self, data: list[dict], ctx) -> list[bytes]:
+        replies = []
+        for i, request in enumerate(data):
+            reply = respond(self.engine, request)
+            ctx.set_response_status(reply.status, PHRASES.get(reply.status, ""), i)
+            ctx.set_response_content_type(i, "application/json")
+            if reply.stats is not None and ctx.metrics is not None:
+                ctx.metrics.add_counter("SlmTexts", reply.stats.texts)
+                ctx.metrics.add_counter("SlmTokens", reply.stats.tokens)
+                ctx.metrics.add_time("SlmGraphTime", reply.stats.graph_ms)
+            replies.append(reply.body)
+        return replies

@@ -1,0 +1,169 @@
+"""Compiled task packages: build (export -> AOTInductor -> numerical check -> manifest) and load.
+
+A package directory holds `graph.pt2` (the AOTInductor package, weights inside), `tokenizer.json`
+and `manifest.json`, which is all the serving side reads: nothing is inferred from file names.
+"""
+
+import dataclasses
+import datetime
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from tokenizers import Tokenizer
+
+from slm_core.checkpoint import Checkpoint
+from slm_core.engine import Engine, build_graph
+from slm_core.errors import InputError, SpecError
+from slm_core.export import export_graph
+from slm_core.spec import PRECISIONS, RuntimeSpec, TaskSpec
+from slm_core.tokenizer import PackedTokenizer
+
+FORMAT = 1
+MANIFEST, GRAPH, TOKENIZER = "manifest.json", "graph.pt2", "tokenizer.json"
+# Compiled vs eager on the check inputs: largest allowed |difference| of probabilities / beam scores,
+# and the share of compiled beam candidates that eager also returns.
+TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
+MIN_SHARED = {"fp32": 1.0, "bf16": 0.75}
+CHECK_TEXTS = [
+    "cheap flights from berlin to rome in may",
+    "is this review positive? the battery died after two days",
+    "weather",
+    "best running shoes for flat feet under 100 dollars",
+    "how do i reset my router password",
+]
+
+
+def versions(device: torch.device) -> dict[str, Any]:
+    out = {"torch": torch.__version__, "python": platform.python_version()}
+    if device.type == "cuda":
+        import triton
+
+        out.update(triton=triton.__version__, cuda=torch.version.cuda, gpu=torch.cuda.get_device_name(device),
+                   capability=list(torch.cuda.get_device_capability(device)))
+    return out
+
+
+def build_package(
+    ckpt: Checkpoint, task: TaskSpec, device: str, out_dir: Path, progress: Callable[[str], None] = print
+) -> dict[str, Any]:
+    """Compile `task` for `device` into out_dir; returns the manifest. Raises SpecError when the
+    compiled graph disagrees with the eager one."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runtime = RuntimeSpec(device)
+    dev = torch.device(device)
+
+    def step(what: str, fn):
+        start = time.perf_counter()
+        progress(f"{what} ...")
+        result = fn()
+        progress(f"{what}: done in {time.perf_counter() - start:.1f} s")
+        return result
+
+    graph, tokenizer = step("building the eager graph", lambda: build_graph(ckpt, task, runtime))
+    program = step("torch.export", lambda: export_graph(graph, task))
+    package = step(
+        f"AOTInductor compile for {dev.type} (slow: about a minute per 30 layers and beam step on 2 CPU cores)",
+        lambda: torch._inductor.aoti_compile_and_package(program, package_path=str(out_dir / GRAPH)),
+    )
+    compiled = Engine(torch._inductor.aoti_load_package(package), tokenizer, task, runtime)
+    check = step("checking the compiled graph against eager", lambda: check_compiled(Engine(graph, tokenizer, task, runtime), compiled))
+    tokenizer.tokenizer.save(str(out_dir / TOKENIZER))
+    manifest = {
+        "format": FORMAT,
+        "task": task.to_dict(),
+        "architecture": dataclasses.asdict(ckpt.spec),
+        "label_ids": tokenizer.label_ids() if task.task == "score" else [],
+        "stop_ids": tokenizer.stop_ids() if task.task == "beam" else [],
+        "dtype": PRECISIONS[task.precision],
+        "device": dev.type,
+        "versions": versions(dev),
+        "graph": {"file": GRAPH, "signature": signature(task)},
+        "check": check,
+        "built": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def signature(task: TaskSpec) -> dict[str, list[str]]:
+    if task.task == "score":
+        return {
+            "inputs": [f"input_ids int32 [tokens <= {task.max_texts * task.max_text_tokens}]",
+                       f"cu_seqlens int32 [texts + 1 <= {task.max_texts + 1}]"],
+            "outputs": [f"probs float32 [texts, {len(task.labels)}]"],
+        }
+    w, n = task.beam_width, task.new_tokens
+    return {
+        "inputs": [f"input_ids int32 [prompt_tokens <= {task.max_prompt_tokens}]"],
+        "outputs": [f"tokens int64 [{w}, {n}]", f"lengths int64 [{w}]", f"scores float32 [{w}]"],
+    }
+
+
+def check_compiled(eager: Engine, compiled: Engine) -> dict[str, Any]:
+    """Run the check inputs through both; record the differences; raise SpecError past the tolerance."""
+    task = eager.task
+    samples = [s for s in CHECK_TEXTS if _fits(eager, s)]
+    if not samples:
+        raise SpecError("no check text fits the task bounds: does the template alone exceed them?")
+    worst, shared, total = 0.0, 0, 0
+    if task.task == "score":
+        for batch in ([samples[0]], samples[: task.max_texts]):
+            for a, b in zip(eager.score(batch), compiled.score(batch)):
+                worst = max(worst, max(abs(x - y) for x, y in zip(a, b)))
+    else:
+        for prompt in samples[:3]:
+            ref = {tuple(c["token_ids"]): c["score"] for c in eager.beam(prompt)}
+            for c in compiled.beam(prompt):
+                total += 1
+                if tuple(c["token_ids"]) in ref:
+                    shared += 1
+                    worst = max(worst, abs(c["score"] - ref[tuple(c["token_ids"])]))
+    check = {"inputs": len(samples), "max_abs_diff": worst, "tolerance": TOLERANCE[task.precision]}
+    if task.task == "beam":
+        check.update(shared_candidates=shared / total, min_shared=MIN_SHARED[task.precision])
+    if worst > check["tolerance"] or check.get("shared_candidates", 1.0) < check.get("min_shared", 0.0):
+        raise SpecError(f"the compiled graph disagrees with the eager graph: {check}")
+    return check
+
+
+def _fits(engine: Engine, text: str) -> bool:
+    try:
+        if engine.task.task == "score":
+            engine.tokenizer.pack_texts([text], engine._ids.numpy(), engine._cu.numpy())
+        else:
+            engine.tokenizer.pack_prompt(text, engine._ids.numpy())
+        return True
+    except InputError:
+        return False
+
+
+def load_package(model_dir: str | Path, gpu_id: int | None = None) -> Engine:
+    """The Engine of a built package, on `cuda:{gpu_id}` for CUDA builds. Refuses, with the reason,
+    a package built for another device type, torch version or GPU architecture."""
+    model_dir = Path(model_dir)
+    manifest = json.loads((model_dir / MANIFEST).read_text())
+    if manifest.get("format") != FORMAT:
+        raise SpecError(f"package format {manifest.get('format')!r} is not {FORMAT}: rebuild it with this version")
+    built = manifest["versions"]
+    if built["torch"] != torch.__version__:
+        raise SpecError(f"package was built with torch {built['torch']}, this worker has {torch.__version__}: "
+                        "rebuild it on this machine type")
+    if manifest["device"] == "cuda":
+        if not torch.cuda.is_available():
+            raise SpecError("package was built for cuda, but this worker has no CUDA device: rebuild with --device cpu")
+        device = torch.device("cuda", gpu_id or 0)
+        if list(torch.cuda.get_device_capability(device)) != built["capability"]:
+            raise SpecError(f"package was built for GPU capability {built['capability']} ({built['gpu']}), "
+                            f"this GPU is {torch.cuda.get_device_name(device)}: rebuild it on this GPU type")
+    else:
+        device = torch.device("cpu")
+    task = TaskSpec.from_dict(manifest["task"])
+    tokenizer = PackedTokenizer(Tokenizer.from_file(str(model_dir / TOKENIZER)), task)
+    graph = torch._inductor.aoti_load_package(
+        str(model_dir / manifest["graph"]["file"]), device_index=device.index if device.type == "cuda" else -1
+    )
+    return Engine(graph, tokenizer, task, RuntimeSpec(str(device)))

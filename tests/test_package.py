@@ -1,0 +1,120 @@
+"""Compiled packages: equal to eager, manifest contents, refusal of incompatible builds, and the
+handler lifecycle with a mock TorchServe context."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import BEAM_TASK, SCORE_TASK
+from handlers.slm_handler import SlmHandler
+from slm_core import Engine, SpecError
+from slm_core.package import MANIFEST, load_package
+
+TEXTS = ["a", "search engines rank documents", "the lazy dog " * 4, "12, 345 and 6789", "x y", "beam", "fox", "z"]
+
+
+def test_compiled_score_equals_eager(archives):
+    compiled = load_package(archives["tiny_score"])
+    eager = Engine.from_checkpoint(archives["checkpoint"], task=SCORE_TASK)
+    for texts in (TEXTS[:1], TEXTS[1:3], TEXTS):
+        for row, ref in zip(compiled.score(texts), eager.score(texts)):
+            assert row == pytest.approx(ref, abs=1e-5)
+    assert compiled.score(TEXTS) == compiled.score(TEXTS)
+
+
+def test_compiled_beam_equals_eager(archives):
+    compiled = load_package(archives["tiny_beam"])
+    eager = Engine.from_checkpoint(archives["checkpoint"], task=BEAM_TASK)
+    for prompt in ("a", "a small language model", "search engines rank documents for a query"):
+        ours, ref = compiled.beam(prompt), eager.beam(prompt)
+        assert [c["token_ids"] for c in ours] == [c["token_ids"] for c in ref]
+        for c, r in zip(ours, ref):
+            assert c["score"] == pytest.approx(r["score"], abs=1e-5)
+    assert compiled.beam("a small language model") == compiled.beam("a small language model")
+
+
+def test_manifest_records_what_serving_needs(archives):
+    manifest = json.loads((archives["tiny_score"] / MANIFEST).read_text())
+    assert manifest["device"] == "cpu" and manifest["dtype"] == "float32"
+    assert manifest["task"]["labels"] == ["yes", "no"] and len(manifest["label_ids"]) == 2
+    assert manifest["architecture"]["arch"] == "qwen3" and manifest["versions"]["torch"] == torch.__version__
+    assert manifest["check"]["max_abs_diff"] <= manifest["check"]["tolerance"]
+    assert "cu_seqlens" in " ".join(manifest["graph"]["signature"]["inputs"])
+    beam = json.loads((archives["tiny_beam"] / MANIFEST).read_text())
+    assert beam["stop_ids"] and beam["check"]["shared_candidates"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda m: m["versions"].update(torch="1.0.0"), "built with torch 1.0.0, this worker has"),
+        (lambda m: m.update(format=99), "package format 99"),
+    ],
+)
+def test_incompatible_packages_are_refused(archives, tmp_path, edit, message):
+    import shutil
+
+    copy = tmp_path / "pkg"
+    shutil.copytree(archives["tiny_score"], copy)
+    manifest = json.loads((copy / MANIFEST).read_text())
+    edit(manifest)
+    (copy / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(SpecError, match=message):
+        load_package(copy)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_cuda_package_refused_without_cuda(archives, tmp_path):
+    import shutil
+
+    copy = tmp_path / "pkg"
+    shutil.copytree(archives["tiny_score"], copy)
+    manifest = json.loads((copy / MANIFEST).read_text())
+    manifest["device"] = "cuda"
+    (copy / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(SpecError, match="built for cuda, but this worker has no CUDA device"):
+        load_package(copy)
+
+
+class MockContext:
+    """What SlmHandler uses of ts.context.Context."""
+
+    def __init__(self, model_dir):
+        self.system_properties = {"model_dir": str(model_dir), "gpu_id": None}
+        self.status, self.headers, self.counters = {}, {}, {}
+        self.metrics = self
+
+    def set_response_status(self, code, phrase, idx):
+        self.status[idx] = (code, phrase)
+
+    def set_response_content_type(self, idx, value):
+        self.headers[idx] = value
+
+    def add_counter(self, name, value):
+        self.counters[name] = self.counters.get(name, 0) + value
+
+    def add_time(self, name, value):
+        self.counters[name] = value
+
+
+def test_handler_batch_with_good_and_bad_requests(archives):
+    ctx = MockContext(archives["tiny_score"])
+    handler = SlmHandler()
+    handler.initialize(ctx)
+    batch = [
+        {"body": {"texts": ["search engines", "a"]}},
+        {"body": b'{"texts": ['},
+        {"body": {"texts": "not a list"}},
+        {"data": b'{"texts": ["the lazy dog"]}'},
+        {"hello": b""},
+    ]
+    out = handler.handle(batch, ctx)
+    assert [ctx.status[i][0] for i in range(5)] == [200, 400, 400, 200, 400]
+    assert all(ctx.headers[i] == "application/json" for i in range(5))
+    bodies = [json.loads(b) for b in out]
+    assert bodies[0]["labels"] == ["yes", "no"] and len(bodies[0]["scores"]) == 2
+    assert "not valid JSON" in bodies[1]["error"] and "must be a list" in bodies[2]["error"]
+    assert "form fields ['hello']" in bodies[4]["error"]
+    assert bodies[3]["scores"] == handler.engine.score(["the lazy dog"])
+    assert ctx.counters["SlmTexts"] == 3 and ctx.counters["SlmTokens"] > 3 and ctx.counters["SlmGraphTime"] > 0

@@ -1,0 +1,116 @@
+"""End to end through a real TorchServe: register both archives, scale, answers equal to the
+engine, metrics, and bad requests answered with 4xx JSON without hurting the workers."""
+
+import json
+import re
+import threading
+
+import pytest
+
+from slm_core.package import load_package
+from torchserve import TorchServe, http
+
+
+@pytest.fixture(scope="module")
+def server(archives, tmp_path_factory):
+    ts = TorchServe(tmp_path_factory.mktemp("torchserve"), archives["store"]).start()
+    try:
+        ts.register("tiny_score.mar")
+        ts.register("tiny_beam.mar")
+        yield ts
+    finally:
+        ts.stop()
+
+
+def test_answers_equal_the_engine_and_repeat_byte_identical(server, archives):
+    score_engine, beam_engine = load_package(archives["tiny_score"]), load_package(archives["tiny_beam"])
+    texts = ["search engines rank documents", "a", "the lazy dog"]
+    status, body = server.predict("tiny_score", json.dumps({"texts": texts}).encode())
+    assert status == 200
+    answer = json.loads(body)
+    assert answer["labels"] == ["yes", "no"]
+    for row, ref in zip(answer["scores"], score_engine.score(texts)):
+        assert row == pytest.approx(ref, abs=1e-6)
+    assert server.predict("tiny_score", json.dumps({"texts": texts}).encode()) == (200, body)
+
+    status, body = server.predict("tiny_beam", b'{"prompt": "a small language model"}')
+    assert status == 200
+    candidates = json.loads(body)["candidates"]
+    ref = beam_engine.beam("a small language model")
+    assert [c["token_ids"] for c in candidates] == [c["token_ids"] for c in ref]
+    assert [c["text"] for c in candidates] == [c["text"] for c in ref]
+    assert [c["score"] for c in candidates] == pytest.approx([c["score"] for c in ref], abs=1e-6)
+    assert server.predict("tiny_beam", b'{"prompt": "a small language model"}') == (200, body)
+
+
+def test_scale_to_two_workers_both_answer(server, archives):
+    status, body = http("PUT", f"{server.management}/models/tiny_score?min_worker=2&synchronous=true")
+    assert status == 200, body
+    workers = server.workers("tiny_score")
+    assert len(workers) == 2 and all(w["status"] == "READY" for w in workers)
+    assert len({w["pid"] for w in workers}) == 2
+
+    engine = load_package(archives["tiny_score"])
+    requests = [[f"query number {i}", "search"] for i in range(24)]
+    results: dict[int, tuple] = {}
+
+    def send(i):
+        results[i] = server.predict("tiny_score", json.dumps({"texts": requests[i]}).encode())
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for i, texts in enumerate(requests):
+        status, body = results[i]
+        assert status == 200
+        for row, ref in zip(json.loads(body)["scores"], engine.score(texts)):
+            assert row == pytest.approx(ref, abs=1e-6)
+    # Each worker logs the requests it served under its own thread name, W-<port>-<model>.
+    log = (server.workdir / "logs" / "ts_log.log").read_text()
+    served = set(re.findall(r"(W-\d+-tiny_score)_1\.0 \S+ - Backend response time", log))
+    assert len(served) == 2, served
+
+
+def test_metrics_endpoint(server):
+    assert server.predict("tiny_beam", b'{"prompt": "search"}')[0] == 200
+    status, body = http("GET", f"{server.metrics}/metrics")
+    text = body.decode()
+    assert status == 200
+    assert re.search(r'ts_inference_requests_total\{model_name="tiny_score"', text)
+    for name in ("SlmTexts", "SlmTokens", "SlmGraphTime"):
+        assert re.search(name + r'\{ModelName="tiny_beam"', text), name
+
+
+BAD = [
+    (b"this is not json", "not valid JSON"),
+    (b'{"texts": ["a"', "not valid JSON"),  # truncated body
+    (b'{"prompt": "a"}', "missing the field 'texts'"),
+    (b'{"texts": ["a"], "extra": 1}', "unknown fields ['extra']"),
+    (b'{"texts": "a"}', "must be a list"),
+    (b'{"texts": [1, 2]}', "texts[0] must be a string"),
+    (b'{"texts": []}', "'texts' is empty"),
+    (b'{"texts": [""]}', "texts[0] is empty"),
+    (b'{"texts": ["a", "b", "c", "d", "e", "f", "g", "h", "i"]}', "max_texts=8"),
+    (json.dumps({"texts": ["word " * 200]}).encode(), "max_text_tokens=64"),
+    (b'{"texts": ["\xff\xfe"]}', "not valid UTF-8"),
+    (b'[' * 100000 + b']' * 100000, "nested too deeply"),
+    (b'{"texts": [' + b'1' * 5000 + b']}', "4300 digits"),  # a huge number
+    (b"[1, 2, 3]", "must be a JSON object"),
+    (b'{"texts": ["' + b"a" * (10 * 1024 * 1024) + b'"]}', "characters, more than max_text_tokens=64"),
+]
+
+
+def test_bad_requests_get_4xx_json_and_hurt_nobody(server):
+    pids = sorted(w["pid"] for w in server.workers("tiny_score"))
+    for body, message in BAD:
+        status, answer = server.predict("tiny_score", body)
+        assert 400 <= status < 500, (body[:60], status, answer[:200])
+        assert message in json.loads(answer)["error"], (body[:60], answer[:300])
+    status, answer = server.predict("tiny_score", b"text=hello", "application/x-www-form-urlencoded")
+    assert status == 400 and "expected a JSON body" in json.loads(answer)["error"]
+    status, answer = server.predict("tiny_beam", b'{"prompt": 7}')
+    assert status == 400 and "prompt must be a string" in json.loads(answer)["error"]
+    assert sorted(w["pid"] for w in server.workers("tiny_score")) == pids
+    assert server.predict("tiny_score", b'{"texts": ["still fine"]}')[0] == 200

@@ -1,0 +1,105 @@
+"""A private TorchServe for tests: own TMPDIR, working directory, free ports; stopped by killing
+its own process group only (never `torchserve --stop`, which could hit another server)."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def http(method: str, url: str, body: bytes | None = None, headers: dict | None = None, timeout: float = 120):
+    """(status, body bytes); HTTP errors are returned, not raised."""
+    req = urllib.request.Request(url, data=body, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+class TorchServe:
+    def __init__(self, workdir: Path, model_store: Path):
+        self.workdir, self.model_store = workdir, model_store
+        inference, management, metrics, grpc_i, grpc_m, workers = free_ports(6)
+        self.inference = f"http://127.0.0.1:{inference}"
+        self.management = f"http://127.0.0.1:{management}"
+        self.metrics = f"http://127.0.0.1:{metrics}"
+        settings = (REPO / "config.properties").read_text().splitlines()
+        overrides = {
+            "inference_address": self.inference, "management_address": self.management,
+            "metrics_address": self.metrics, "grpc_inference_port": grpc_i, "grpc_management_port": grpc_m,
+            "initial_worker_port": workers,  # worker sockets live under the private TMPDIR too
+        }
+        lines = [l for l in settings if l.split("=", 1)[0].strip() not in overrides]
+        lines += [f"{k}={v}" for k, v in overrides.items()]
+        self.config = workdir / "config.properties"
+        self.config.write_text("\n".join(lines) + "\n")
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 120) -> "TorchServe":
+        tmp = self.workdir / "tmp"
+        tmp.mkdir(exist_ok=True)
+        env = {**os.environ, "TMPDIR": str(tmp), "LOG_LOCATION": str(self.workdir / "logs"),
+               "METRICS_LOCATION": str(self.workdir / "logs")}
+        self.proc = subprocess.Popen(
+            [shutil.which("torchserve") or "torchserve", "--start", "--foreground", "--ncs",
+             "--ts-config", str(self.config), "--model-store", str(self.model_store)],
+            cwd=self.workdir, env=env, stdout=open(self.workdir / "stdout.log", "wb"), stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: stop() kills exactly this server and its workers
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"torchserve exited: {(self.workdir / 'stdout.log').read_text()[-3000:]}")
+            try:
+                if http("GET", self.management + "/models", timeout=2)[0] == 200:
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError("torchserve did not come up")
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc = None
+
+    def register(self, mar: str, workers: int = 1) -> dict:
+        status, body = http("POST", f"{self.management}/models?url={mar}&initial_workers={workers}&synchronous=true")
+        assert status == 200, body
+        return json.loads(body)
+
+    def workers(self, model: str) -> list[dict]:
+        status, body = http("GET", f"{self.management}/models/{model}")
+        assert status == 200, body
+        return json.loads(body)[0]["workers"]
+
+    def predict(self, model: str, body: bytes, content_type: str = "application/json"):
+        return http("POST", f"{self.inference}/predictions/{model}", body, {"Content-Type": content_type})
