@@ -16,3 +16,8 @@ $(VENV)/.installed: pyproject.toml
 
 test: setup
 	$(PY) -m pytest -q tests
+
+# The main job on the embedded SmolLM2 (CPU): build both archives, serve, query, stop.
+.PHONY: demo
+demo: setup
+	$(PY) -m handlers.demo

@@ -17,7 +17,6 @@ class PackedTokenizer:
         self.tokenizer.no_truncation()
         self.tokenizer.no_padding()
         self.task = task
-        self._prefix, self._suffix = task.template.split(task.placeholder, 1)
         # No token decodes to more characters than its vocabulary spelling has, so a text longer
         # than bound × longest spelling cannot fit: refuse it before spending time tokenizing it.
         self._longest_token = max(len(t) for t in tokenizer.get_vocab(with_added_tokens=True))
@@ -48,7 +47,7 @@ class PackedTokenizer:
 
     # --- request path ------------------------------------------------------------------------
     def apply_template(self, text: str) -> str:
-        return self._prefix + text + self._suffix
+        return self.task.template.replace(self.task.placeholder, text)  # every occurrence
 
     def pack_texts(self, texts: object, ids_out: np.ndarray, cu_out: np.ndarray) -> tuple[int, int]:
         """Tokenize `texts` into ids_out[:T] and cu_out[:N+1]; returns (N, T).

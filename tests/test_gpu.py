@@ -63,3 +63,47 @@ def test_cuda_export(random_checkpoint):
         args = (ids, torch.tensor([0, 2, 9], dtype=torch.int32, device="cuda")) if task["task"] == "score" else (ids,)
         for a, b in zip(torch.utils._pytree.tree_leaves(program(*args)), torch.utils._pytree.tree_leaves(eng.graph(*args))):
             assert torch.equal(a, b)
+
+
+def test_cuda_archive_serves_through_torchserve(random_checkpoint, tmp_path):
+    """--device cuda build: manifest, load on cuda:0, equal to the eager CUDA engine; then the same
+    archive through a real TorchServe (GPU worker) answers exactly as the loaded package does."""
+    import json
+    import shutil
+    import zipfile
+
+    import yaml
+
+    from archiver.__main__ import main
+    from handlers.local_server import TorchServe
+    from slm_core.package import MANIFEST, load_package
+
+    folder, _ = random_checkpoint("qwen3")
+    task = dict(task="score", labels=["yes", "no"], max_texts=8, max_text_tokens=64, precision="bf16")
+    (tmp_path / "task.yaml").write_text(yaml.safe_dump(task))
+    store = tmp_path / "store"
+    assert main(["build", "--checkpoint", str(folder), "--task", str(tmp_path / "task.yaml"), "--model-name",
+                 "gpu_score", "--export-path", str(store), "--device", "cuda"]) == 0
+    unpacked = tmp_path / "unpacked"
+    zipfile.ZipFile(store / "gpu_score.mar").extractall(unpacked)
+    manifest = json.loads((unpacked / MANIFEST).read_text())
+    assert manifest["device"] == "cuda" and manifest["versions"]["capability"] == list(torch.cuda.get_device_capability())
+    compiled = load_package(unpacked, gpu_id=0)
+    assert compiled.device == torch.device("cuda", 0)
+    eager = engine_for(load_checkpoint(folder), "cuda", **task)
+    for row, ref in zip(compiled.score(RANDOM_TEXTS), eager.score(RANDOM_TEXTS)):
+        assert row == pytest.approx(ref, abs=2e-2)
+
+    if shutil.which("torchserve") is None or shutil.which("java") is None:
+        pytest.skip("TorchServe/Java not installed here (source .devbundle/setup.sh on the GPU machine)")
+    (tmp_path / "server").mkdir()
+    server = TorchServe(tmp_path / "server", store).start()
+    try:
+        server.register("gpu_score.mar")
+        status, body = server.predict("gpu_score", json.dumps({"texts": RANDOM_TEXTS}).encode())
+        assert status == 200
+        assert json.loads(body)["scores"] == pytest.approx(compiled.score(RANDOM_TEXTS), abs=1e-6)
+        worker = server.workers("gpu_score")[0]
+        assert worker["gpu"] is True, worker
+    finally:
+        server.stop()

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from slm_core.package import load_package
-from torchserve import TorchServe, http
+from handlers.local_server import TorchServe, http
 
 
 @pytest.fixture(scope="module")

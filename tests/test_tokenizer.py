@@ -88,3 +88,8 @@ def test_build_time_errors(smollm2):
         PackedTokenizer(tok, TaskSpec(task="beam", stop=("hello world",))).stop_ids()
     with pytest.raises(SpecError, match="do not start with distinct tokens"):
         PackedTokenizer(tok, TaskSpec(task="score", labels=("Yes", "Yes please"))).label_ids()
+
+
+def test_template_placeholder_may_repeat(smollm2):
+    task = TaskSpec(task="beam", prompt_template="Complete: {prompt}\n{prompt}")
+    assert PackedTokenizer(smollm2[1].tokenizer, task).apply_template("cheap") == "Complete: cheap\ncheap"

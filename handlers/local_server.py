@@ -1,5 +1,6 @@
-"""A private TorchServe for tests: own TMPDIR, working directory, free ports; stopped by killing
-its own process group only (never `torchserve --stop`, which could hit another server)."""
+"""A private local TorchServe (tests, the demo, bench): own TMPDIR, working directory and free
+loopback ports, the repository's config.properties otherwise; stopped by killing its own process
+group only (never `torchserve --stop`, which could hit another server on the host)."""
 
 import json
 import os
