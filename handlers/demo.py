@@ -29,50 +29,60 @@ def smollm2() -> str:
     return str(Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--work", default=str(REPO / ".demo"), help="where archives, logs and server state go")
-    parser.add_argument("--device", default="cpu")
-    args = parser.parse_args()
-    work = Path(args.work)
-    store = work / "model-store"
+def build_archives(store: Path, device: str) -> None:
     for name, task in (("smollm2_intent", "smollm2-intent.yaml"), ("smollm2_complete", "smollm2-complete.yaml")):
         if (store / f"{name}.mar").exists():
             print(f"== {name}.mar exists in {store}, reusing it (delete it to rebuild)")
             continue
         print(f"== building {name}.mar from {TASKS / task}")
         subprocess.run([sys.executable, "-m", "archiver", "build", "--checkpoint", smollm2(), "--task",
-                        str(TASKS / task), "--model-name", name, "--export-path", str(store),
-                        "--device", args.device], check=True)
+                        str(TASKS / task), "--model-name", name, "--export-path", str(store), "--device", device],
+                       check=True)
 
+
+def run(work: Path, device: str = "cpu") -> dict:
+    """Build, serve, query, stop; print as it goes and return the parsed answers."""
+    store = work / "model-store"
+    build_archives(store, device)
     (work / "server").mkdir(parents=True, exist_ok=True)
     server = TorchServe(work / "server", store).start()
     print(f"== TorchServe up: inference {server.inference}, management {server.management}, metrics {server.metrics}")
+    answers: dict = {"beams": {}}
     try:
         for name in ("smollm2_intent", "smollm2_complete"):
             print(f"== registering {name}: {server.register(f'{name}.mar')['status']}")
 
-        body = json.dumps({"texts": QUERIES}).encode()
         start = time.perf_counter()
-        status, answer = server.predict("smollm2_intent", body)
-        print(f"\n== POST /predictions/smollm2_intent -> {status} in {(time.perf_counter() - start) * 1e3:.0f} ms")
-        result = json.loads(answer)
-        for query, row in zip(QUERIES, result["scores"]):
-            print(f"   P(travel)={row[0]:.3f}  {query}")
+        status, body = server.predict("smollm2_intent", json.dumps({"texts": QUERIES}).encode())
+        print(f"\n== POST /predictions/smollm2_intent -> {status} in {(time.perf_counter() - start) * 1e3:.0f} ms"
+              " (a 135M model: the numbers show the mechanics, not a good intent classifier)")
+        answers["scores"] = json.loads(body)
+        for query, row in zip(QUERIES, answers["scores"]["scores"]):
+            print(f"   P(Yes)={row[0]:.3f}  {query}")
 
         for prompt in PROMPTS:
             start = time.perf_counter()
-            status, answer = server.predict("smollm2_complete", json.dumps({"prompt": prompt}).encode())
+            status, body = server.predict("smollm2_complete", json.dumps({"prompt": prompt}).encode())
             print(f"\n== POST /predictions/smollm2_complete {prompt!r} -> {status} "
                   f"in {(time.perf_counter() - start) * 1e3:.0f} ms")
-            for c in json.loads(answer)["candidates"][:4]:
-                print(f"   {c['score']:8.3f}  {prompt}{c['text']!s}")
+            answers["beams"][prompt] = json.loads(body)["candidates"]
+            for c in answers["beams"][prompt][:4]:
+                print(f"   {c['score']:8.3f}  {prompt}{c['text']!r}")
 
-        status, answer = server.predict("smollm2_intent", b'{"texts": []}')
-        print(f"\n== a bad request -> {status} {answer.decode()}")
+        answers["bad"] = server.predict("smollm2_intent", b'{"texts": []}')
+        print(f"\n== a bad request -> {answers['bad'][0]} {answers['bad'][1].decode()}")
     finally:
         server.stop()
         print("== TorchServe stopped")
+    return answers
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", default=str(REPO / ".demo"), help="where archives, logs and server state go")
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    run(Path(args.work), args.device)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,24 @@
+"""README command (a) in CI: the demo builds the real SmolLM2 archives, serves them through
+TorchServe and its answers equal the eager engine on the same tasks (REST path against the engine)."""
+
+import pytest
+
+from handlers.demo import PROMPTS, QUERIES, TASKS, run, smollm2
+from slm_core import Engine
+
+pytestmark = pytest.mark.slow
+
+
+def test_demo_answers_equal_the_engine(tmp_path):
+    answers = run(tmp_path)
+    score = Engine.from_checkpoint(smollm2(), task=TASKS / "smollm2-intent.yaml")
+    assert answers["scores"]["labels"] == ["Yes", "No"]
+    for row, ref in zip(answers["scores"]["scores"], score.score(QUERIES), strict=True):
+        assert row == pytest.approx(ref, abs=1e-4)
+    beam = Engine.from_checkpoint(smollm2(), task=TASKS / "smollm2-complete.yaml")
+    for prompt in PROMPTS:
+        ref = beam.beam(prompt)
+        assert [c["token_ids"] for c in answers["beams"][prompt]] == [c["token_ids"] for c in ref]
+        assert [c["score"] for c in answers["beams"][prompt]] == pytest.approx([c["score"] for c in ref], abs=1e-4)
+    status, body = answers["bad"]
+    assert status == 400 and b"'texts' is empty" in body
