@@ -1,4 +1,5 @@
-"""Engine: the Python API of DESIGN.md over the eager graphs.
+"""Engine: the Python API of DESIGN.md over one request graph, eager (nn.Module) or compiled
+(an AOTInductor package with the same signature, see slm_core.package).
 
     eng = Engine.from_checkpoint("ckpt-dir-or.gguf", task="task.yaml", device="cpu")
     eng.score(["text a", "text b"])  # [[p_label0, p_label1, ...], ...]

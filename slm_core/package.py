@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 
 from slm_core.checkpoint import Checkpoint
 from slm_core.engine import Engine, build_graph
-from slm_core.errors import InputError, SpecError
+from slm_core.errors import SpecError
 from slm_core.export import export_graph
 from slm_core.spec import PRECISIONS, RuntimeSpec, TaskSpec
 from slm_core.tokenizer import PackedTokenizer
@@ -106,7 +106,7 @@ def signature(task: TaskSpec) -> dict[str, list[str]]:
 def check_compiled(eager: Engine, compiled: Engine) -> dict[str, Any]:
     """Run the check inputs through both; record the differences; raise SpecError past the tolerance."""
     task = eager.task
-    samples = [s for s in CHECK_TEXTS if _fits(eager, s)]
+    samples = [s for s in CHECK_TEXTS if _fits(eager.tokenizer, s)]
     if not samples:
         raise SpecError("no check text fits the task bounds: does the template alone exceed them?")
     worst, shared, total = 0.0, 0, 0
@@ -130,15 +130,10 @@ def check_compiled(eager: Engine, compiled: Engine) -> dict[str, Any]:
     return check
 
 
-def _fits(engine: Engine, text: str) -> bool:
-    try:
-        if engine.task.task == "score":
-            engine.tokenizer.pack_texts([text], engine._ids.numpy(), engine._cu.numpy())
-        else:
-            engine.tokenizer.pack_prompt(text, engine._ids.numpy())
-        return True
-    except InputError:
-        return False
+def _fits(tokenizer: PackedTokenizer, text: str) -> bool:
+    task = tokenizer.task
+    bound = task.max_text_tokens if task.task == "score" else task.max_prompt_tokens
+    return len(tokenizer.tokenizer.encode(tokenizer.apply_template(text)).ids) <= bound
 
 
 def load_package(model_dir: str | Path, gpu_id: int | None = None) -> Engine:
