@@ -92,10 +92,16 @@ class TorchServe:
                 pass
         self.proc = None
 
-    def register(self, mar: str, workers: int = 1) -> dict:
-        status, body = http("POST", f"{self.management}/models?url={mar}&initial_workers={workers}&synchronous=true")
+    def register(self, mar: str, workers: int = 1, name: str | None = None) -> dict:
+        """Register `mar` from the model store (as `name` if given, else the archive's own name)."""
+        query = f"url={mar}&initial_workers={workers}&synchronous=true" + (f"&model_name={name}" if name else "")
+        status, body = http("POST", f"{self.management}/models?{query}")
         assert status == 200, body
         return json.loads(body)
+
+    def unregister(self, model: str) -> None:
+        status, body = http("DELETE", f"{self.management}/models/{model}")
+        assert status == 200, body
 
     def workers(self, model: str) -> list[dict]:
         status, body = http("GET", f"{self.management}/models/{model}")

@@ -141,3 +141,12 @@ def archives(tmp_path_factory, random_checkpoint):
         zipfile.ZipFile(store / f"{name}.mar").extractall(unpacked)
         out[name] = unpacked
     return out
+
+
+@pytest.fixture(scope="session")
+def demo(tmp_path_factory):
+    """README command (a), run once: (its work directory with the SmolLM2 archives, its answers)."""
+    from handlers.demo import run
+
+    work = tmp_path_factory.mktemp("demo")
+    return work, run(work)

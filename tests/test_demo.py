@@ -3,14 +3,14 @@ TorchServe and its answers equal the eager engine on the same tasks (REST path a
 
 import pytest
 
-from handlers.demo import PROMPTS, QUERIES, TASKS, run, smollm2
+from handlers.demo import PROMPTS, QUERIES, TASKS, smollm2
 from slm_core import Engine
 
 pytestmark = pytest.mark.slow
 
 
-def test_demo_answers_equal_the_engine(tmp_path):
-    answers = run(tmp_path)
+def test_demo_answers_equal_the_engine(demo):
+    _, answers = demo
     score = Engine.from_checkpoint(smollm2(), task=TASKS / "smollm2-intent.yaml")
     assert answers["scores"]["labels"] == ["Yes", "No"]
     for row, ref in zip(answers["scores"]["scores"], score.score(QUERIES), strict=True):

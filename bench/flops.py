@@ -1,0 +1,38 @@
+"""Logical matrix FLOPs of a request and effective MFU, exactly as DESIGN.md defines them:
+linear layers, the LM head (only the rows actually computed) and attention (QKᵀ and PV, causal
+pairs only), 2 FLOPs per multiply-add; nothing else."""
+
+from slm_core.spec import ModelSpec
+
+PEAK = {"bf16": 989e12, "fp8": 1979e12}  # H200 dense peaks, FLOP/s
+
+
+def linear_flops_per_token(spec: ModelSpec) -> int:
+    h, q, kv, i = spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size
+    per_layer = h * (q + 2 * kv) + q * h + h * 2 * i + i * h
+    return 2 * per_layer * spec.num_layers
+
+
+def attention_flops(spec: ModelSpec, pairs: int) -> int:
+    """QKᵀ and PV over `pairs` (query, key) pairs, all query heads and layers."""
+    return 2 * 2 * spec.num_heads * spec.head_dim * pairs * spec.num_layers
+
+
+def score_flops(spec: ModelSpec, lengths: list[int], labels: int) -> int:
+    tokens = sum(lengths)
+    causal_pairs = sum(n * (n + 1) // 2 for n in lengths)
+    head = 2 * spec.hidden_size * labels * len(lengths)
+    return linear_flops_per_token(spec) * tokens + attention_flops(spec, causal_pairs) + head
+
+
+def beam_flops(spec: ModelSpec, prompt: int, width: int, new_tokens: int) -> int:
+    """Prefill of the prompt (LM head on its last row), then new_tokens - 1 decode steps of W beams,
+    each beam attending to the prompt plus its own suffix."""
+    decode_tokens = width * (new_tokens - 1)
+    pairs = prompt * (prompt + 1) // 2 + sum(width * (prompt + t) for t in range(1, new_tokens))
+    head = 2 * spec.hidden_size * spec.vocab_size * (1 + decode_tokens)
+    return linear_flops_per_token(spec) * (prompt + decode_tokens) + attention_flops(spec, pairs) + head
+
+
+def mfu(qps: float, flops_per_request: float, precision: str = "bf16") -> float:
+    return qps * flops_per_request / PEAK[precision]

@@ -1,0 +1,92 @@
+"""Closed-loop load over HTTP: `concurrency` requests always in flight, the next sent as soon as one
+returns; latency of each completed request inside the measuring window."""
+
+import asyncio
+import statistics
+import time
+from dataclasses import dataclass
+
+import aiohttp
+
+
+@dataclass(frozen=True)
+class Point:
+    concurrency: int
+    qps: float
+    mean_ms: float
+    p50_ms: float
+    p99_ms: float
+    completed: int
+    errors: int
+    seconds: float
+    request_indices: tuple[int, ...]  # which bodies completed in the window (for FLOP counting)
+
+    def meets_slo(self, mean_ms: float = 20.0, p99_ms: float = 80.0) -> bool:
+        return self.completed > 0 and self.errors == 0 and self.mean_ms < mean_ms and self.p99_ms < p99_ms
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
+
+
+async def _run(url: str, bodies: list[bytes], concurrency: int, warmup: float, duration: float) -> Point:
+    latencies: list[float] = []
+    done: list[int] = []
+    errors = 0
+    counter = 0
+    start = time.perf_counter()
+    window = (start + warmup, start + warmup + duration)
+    connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+
+        async def client():
+            nonlocal errors, counter
+            while time.perf_counter() < window[1]:
+                i = counter % len(bodies)
+                counter += 1
+                sent = time.perf_counter()
+                try:
+                    async with session.post(url, data=bodies[i], headers={"Content-Type": "application/json"}) as r:
+                        await r.read()
+                        ok = r.status == 200
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    ok = False
+                end = time.perf_counter()
+                if window[0] <= sent and end <= window[1]:
+                    if ok:
+                        latencies.append((end - sent) * 1e3)
+                        done.append(i)
+                    else:
+                        errors += 1
+
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+    n = len(latencies)
+    return Point(
+        concurrency=concurrency, qps=n / duration,
+        mean_ms=statistics.fmean(latencies) if n else float("nan"),
+        p50_ms=percentile(latencies, 50) if n else float("nan"),
+        p99_ms=percentile(latencies, 99) if n else float("nan"),
+        completed=n, errors=errors, seconds=duration, request_indices=tuple(done),
+    )
+
+
+def measure(url: str, bodies: list[bytes], concurrency: int, warmup: float = 1.0, duration: float = 5.0) -> Point:
+    return asyncio.run(_run(url, bodies, concurrency, warmup, duration))
+
+
+def sweep(url: str, bodies: list[bytes], levels: list[int], warmup: float, duration: float, on_point=None,
+          min_points: int = 3) -> list[Point]:
+    """Measure at each concurrency in `levels`; stop once `min_points` are measured and the last two
+    missed the SLO (latency only grows past that point in a closed loop)."""
+    points, misses = [], 0
+    for c in levels:
+        p = measure(url, bodies, c, warmup, duration)
+        points.append(p)
+        if on_point:
+            on_point(p)
+        misses = 0 if p.meets_slo() else misses + 1
+        if len(points) >= min_points and misses >= 2:
+            break
+    return points

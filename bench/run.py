@@ -1,0 +1,197 @@
+"""One command: build the archives, start TorchServe, sweep concurrency per workload for this
+project ("slm") and the HF transformers peer ("hf"), measure the no-op ceiling, write results.
+
+H200:  python -m bench.run --device cuda --tokenizer bench/assets/tokenizer.json --commit SHA
+CPU smoke (CI, SmolLM2, seconds of load):  python -m bench.run --smoke --out DIR
+"""
+
+import argparse
+import dataclasses
+import datetime
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from tokenizers import Tokenizer
+
+from bench import flops
+from bench.loadgen import measure, sweep
+from bench.workloads import WORKLOADS, TextMaker, Workload
+from handlers.local_server import TorchServe
+from slm_core.spec import ModelSpec
+
+BENCH = Path(__file__).resolve().parent
+LEVELS = [1, 2, 4, 8, 16, 32, 64, 128]
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def random_checkpoint(arch: dict, tokenizer: Path, out: Path) -> Path:
+    """An HF directory with random bf16 weights of the architecture and the given tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if (out / "config.json").exists():
+        return out
+    cfg = AutoConfig.for_model(**arch)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    shutil.copy(tokenizer, out / "tokenizer.json")
+    return out
+
+
+def archive_slm(name: str, checkpoint: Path, task: dict, store: Path, device: str, work: Path) -> None:
+    if (store / f"{name}.mar").exists():
+        return
+    (work / f"{name}.yaml").write_text(yaml.safe_dump(task))
+    subprocess.run([sys.executable, "-m", "archiver", "build", "--checkpoint", str(checkpoint), "--task",
+                    str(work / f"{name}.yaml"), "--model-name", name, "--export-path", str(store),
+                    "--device", device, "--response-timeout", "600"], check=True)
+
+
+def archive_handler(name: str, handler: Path, extra: dict, store: Path, device: str, work: Path) -> None:
+    """A bench-only archive (peer or no-op) around `handler`, with `extra` as JSON files."""
+    from model_archiver.model_archiver_config import ModelArchiverConfig
+    from model_archiver.model_packaging import generate_model_archive
+
+    stage = work / f"{name}-stage"
+    stage.mkdir(exist_ok=True)
+    for file, content in extra.items():
+        (stage / file).write_text(json.dumps(content))
+    config = work / f"{name}-config.yaml"
+    config.write_text(yaml.safe_dump({"minWorkers": 1, "maxWorkers": 1, "batchSize": 1, "maxBatchDelay": 0,
+                                      "responseTimeout": 600, "deviceType": "gpu" if device == "cuda" else "cpu"}))
+    generate_model_archive(ModelArchiverConfig(
+        model_name=name, handler=str(handler), version="1.0", extra_files=str(stage), export_path=str(store),
+        archive_format="zip-store", force=True, config_file=str(config)))
+
+
+def request_flops(workload: Workload, spec: ModelSpec, tokenizer: Tokenizer, body: dict) -> int:
+    template = workload.task.get("prompt_template")
+    if workload.texts:
+        lengths = [len(tokenizer.encode((template or "{text}").replace("{text}", t)).ids) for t in body["texts"]]
+        return flops.score_flops(spec, lengths, len(workload.task["labels"]))
+    prompt = len(tokenizer.encode((template or "{prompt}").replace("{prompt}", body["prompt"])).ids)
+    return flops.beam_flops(spec, prompt, workload.task["beam_width"], workload.task["new_tokens"])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tokenizer", help="tokenizer.json for the random-weight models (bench/README.md)")
+    p.add_argument("--work", default="/tmp/slm-bench")
+    p.add_argument("--out", default=str(BENCH / "results"))
+    p.add_argument("--workloads", default="W1,W2,W3")
+    p.add_argument("--systems", default="slm,hf")
+    p.add_argument("--hf-workers", default="1,4", help="peer worker counts to try; the best is kept")
+    p.add_argument("--warmup", type=float, default=2.0)
+    p.add_argument("--duration", type=float, default=6.0)
+    p.add_argument("--requests", type=int, default=64, help="distinct request bodies per workload")
+    p.add_argument("--commit", default="unknown")
+    p.add_argument("--smoke", action="store_true", help="CPU, SmolLM2, tiny requests, 1 s points")
+    args = p.parse_args()
+
+    work, out = Path(args.work), Path(args.out)
+    store = work / "model-store"
+    for d in (work, store, out):
+        d.mkdir(parents=True, exist_ok=True)
+    workloads, checkpoints, tokenizers, specs = plan(args, work)
+    systems = args.systems.split(",")
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H%M%SZ")
+    results = out / f"{stamp}_{'smoke' if args.smoke else 'bench'}.jsonl"
+    meta = {"commit": args.commit, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+            "torch": torch.__version__, "date": stamp}
+
+    for w in workloads.values():  # W2 and W3 share one model and task: one archive each system
+        if "slm" in systems:
+            archive_slm(f"slm_{w.model}", checkpoints[w.name], w.task, store, args.device, work)
+        if "hf" in systems:
+            archive_handler(f"hf_{w.model}", BENCH / "peer_handler.py",
+                            {"peer.json": {"checkpoint": str(checkpoints[w.name]), "task": w.task}},
+                            store, args.device, work)
+    archive_handler("noop", BENCH / "noop_handler.py", {}, store, "cpu", work)
+
+    server_dir = work / f"server-{stamp}"
+    server_dir.mkdir()
+    server = TorchServe(server_dir, store).start()
+    records = []
+
+    def record(system: str, workload: str, point, flops_per_request: float, workers: int) -> None:
+        rec = {"system": system, "workload": workload, "workers": workers, **dataclasses.asdict(point), **meta,
+               "flops_per_request": flops_per_request,
+               "mfu_effective": flops.mfu(point.qps, flops_per_request), "mfu_bf16": flops.mfu(point.qps, flops_per_request)}
+        rec.pop("request_indices")
+        records.append(rec)
+        with results.open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+        log(f"{system:4s} {workload} workers={workers} c={point.concurrency:3d}: {point.qps:8.1f} req/s "
+            f"mean {point.mean_ms:7.1f} ms p99 {point.p99_ms:7.1f} ms errors {point.errors}")
+
+    try:
+        server.register("noop.mar")
+        for c in (1, 16, 64):
+            record("noop", "ceiling", measure(f"{server.inference}/predictions/noop", [b"{}"], c, 1.0, args.duration),
+                   0.0, 1)
+        for w in workloads.values():
+            spec = specs[w.name]
+            bodies = TextMaker(tokenizers[w.name], seed=1).requests(w, args.requests)
+            per_body = [request_flops(w, spec, tokenizers[w.name], b) for b in bodies]
+            encoded = [json.dumps(b).encode() for b in bodies]
+            for system in systems:
+                model = f"{system}_{w.model}"
+                for workers in ([1] if system == "slm" else [int(n) for n in args.hf_workers.split(",")]):
+                    server.register(f"{model}.mar", workers, name=model)
+                    log(f"{model}: {workers} worker(s) ready")
+                    sweep(f"{server.inference}/predictions/{model}", encoded,
+                          LEVELS[:2] if args.smoke else LEVELS, args.warmup, args.duration,
+                          on_point=lambda pt: record(system, w.name, pt, mean_flops(pt, per_body), workers))
+                    server.unregister(model)
+    finally:
+        server.stop()
+    log(f"wrote {results}")
+
+
+def mean_flops(point, per_body: list[int]) -> float:
+    return sum(per_body[i] for i in point.request_indices) / max(1, len(point.request_indices))
+
+
+def plan(args, work: Path):
+    """The workloads to run and, per workload, the checkpoint serving it, the tokenizer its texts are
+    made with and its architecture (for FLOPs)."""
+    if args.smoke:
+        from handlers.demo import TASKS, smollm2
+        from slm_core.checkpoint import load_checkpoint
+
+        gguf = Path(smollm2())
+        ckpt = load_checkpoint(gguf)
+        arch = {}
+        chosen = {
+            "W1": Workload("W1", "smollm2_intent", arch, yaml.safe_load((TASKS / "smollm2-intent.yaml").read_text()), texts=3,
+                           lengths=(8, 24)),
+            "W2": Workload("W2", "smollm2_complete", arch, yaml.safe_load((TASKS / "smollm2-complete.yaml").read_text()), texts=0,
+                           lengths=(8, 24)),
+        }
+        return chosen, {k: gguf for k in chosen}, {k: ckpt.tokenizer for k in chosen}, {k: ckpt.spec for k in chosen}
+    if not args.tokenizer:
+        sys.exit("--tokenizer is required (see bench/README.md)")
+    tok_path = Path(args.tokenizer)
+    chosen = {k: WORKLOADS[k] for k in args.workloads.split(",")}
+    checkpoints = {}
+    for k, w in chosen.items():
+        name = w.arch["model_type"]
+        log(f"random {name} checkpoint for {k}")
+        checkpoints[k] = random_checkpoint(w.arch, tok_path, work / f"ckpt-{name}")
+    specs = {k: ModelSpec.from_hf_config(w.arch) for k, w in chosen.items()}
+    return chosen, checkpoints, {k: Tokenizer.from_file(str(tok_path)) for k in chosen}, specs
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Workloads W1-W3 of DESIGN.md: architectures (random weights) and request generators.
+
+Requests are real-looking text: words drawn Zipf-like from the tokenizer's own whole-word tokens,
+so that each text's token count under that tokenizer is exactly the length drawn from the
+workload's distribution (checked by re-encoding).
+"""
+
+import random
+from dataclasses import dataclass
+
+from tokenizers import Tokenizer
+
+QWEN3_06B = dict(model_type="qwen3", hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936,
+                 tie_word_embeddings=True, rope_theta=1_000_000.0, rms_norm_eps=1e-6, max_position_embeddings=40960)
+QWEN25_05B = dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                  num_key_value_heads=2, intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
+                  rope_theta=1_000_000.0, rms_norm_eps=1e-6, max_position_embeddings=32768)
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    model: str  # the archive serving it: slm_<model>.mar, hf_<model>.mar (W2 and W3 share one)
+    arch: dict
+    task: dict  # the task YAML of the archive that serves it
+    texts: int  # texts per request (0: a beam prompt)
+    lengths: tuple[int, int]  # token count of each text / the prompt, uniform in [lo, hi]
+
+
+SCORE_TASK = dict(task="score", labels=["Yes", "No"], max_texts=16, max_text_tokens=160, precision="bf16")
+BEAM_TASK = dict(task="beam", beam_width=100, new_tokens=5, max_prompt_tokens=512, stop=["<|im_end|>"],
+                 precision="bf16")
+WORKLOADS = {
+    "W1": Workload("W1", "score_qwen3", QWEN3_06B, SCORE_TASK, texts=15, lengths=(64, 160)),
+    "W2": Workload("W2", "beam_qwen25", QWEN25_05B, BEAM_TASK, texts=0, lengths=(48, 128)),
+    "W3": Workload("W3", "beam_qwen25", QWEN25_05B, BEAM_TASK, texts=0, lengths=(384, 512)),
+}
+
+
+class TextMaker:
+    """Texts of an exact token count, from the tokenizer's whole-word tokens (" word" -> 1 token)."""
+
+    def __init__(self, tokenizer: Tokenizer, seed: int = 0):
+        self.tokenizer = tokenizer
+        vocab = tokenizer.get_vocab()
+        # Byte-level BPE spells a leading space as "Ġ"; keep lowercase alphabetic words, ordered by
+        # id (merge order ~ frequency), and weight them Zipf-like so common words dominate.
+        words = sorted((i, t[1:]) for t, i in vocab.items() if t.startswith("Ġ") and t[1:].isalpha()
+                       and t[1:].islower() and len(t) > 3 and any(v in t for v in "aeiouy"))
+        self.words = [w for _, w in words if len(self.tokenizer.encode(" " + w).ids) == 1]
+        if len(self.words) < 100:
+            raise ValueError("the tokenizer has too few whole-word tokens to make text from")
+        self.weights = [1.0 / (rank + 10) for rank in range(len(self.words))]
+        self.rng = random.Random(seed)
+
+    def text(self, tokens: int) -> str:
+        words = self.rng.choices(self.words, self.weights, k=tokens)
+        text = words[0].capitalize() + "".join(" " + w for w in words[1:])
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        while len(ids) > tokens:  # the first, space-less word may split: drop words until it fits
+            text = text.rsplit(" ", 1)[0]
+            ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        while len(ids) < tokens:
+            text += " " + self.rng.choice(self.words[:200])
+            ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        assert len(ids) == tokens, (len(ids), tokens)
+        return text
+
+    def requests(self, workload: Workload, count: int) -> list[dict]:
+        """`count` request bodies for the workload (JSON-ready dicts)."""
+        lo, hi = workload.lengths
+        if workload.texts:
+            return [{"texts": [self.text(self.rng.randint(lo, hi)) for _ in range(workload.texts)]}
+                    for _ in range(count)]
+        return [{"prompt": self.text(self.rng.randint(lo, hi))} for _ in range(count)]

@@ -1,0 +1,74 @@
+"""The bench harness: request generators follow the workload distributions, FLOPs as DESIGN.md
+counts them, and a CPU smoke run of the whole harness (SmolLM2 archives of the demo, the HF peer,
+the no-op ceiling) that writes the records and the report. No timing is asserted."""
+
+import json
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from bench import flops
+from bench.report import load, plot, table
+from bench.workloads import WORKLOADS, TextMaker
+from slm_core.spec import ModelSpec
+
+REQUIRED = {"system", "workload", "concurrency", "qps", "mean_ms", "p50_ms", "p99_ms", "errors", "mfu_effective",
+            "mfu_bf16", "commit", "device", "torch", "date"}
+
+
+@pytest.mark.parametrize("name", ["W1", "W2", "W3"])
+def test_request_token_counts_follow_the_workload(smollm2, name):
+    tokenizer = smollm2[1].tokenizer
+    workload = WORKLOADS[name]
+    bodies = TextMaker(tokenizer, seed=3).requests(workload, 40 if workload.texts else 300)
+    texts = [t for b in bodies for t in b["texts"]] if workload.texts else [b["prompt"] for b in bodies]
+    assert all(len(b["texts"]) == workload.texts for b in bodies) if workload.texts else True
+    lengths = [len(tokenizer.encode(t).ids) for t in texts]
+    lo, hi = workload.lengths
+    assert min(lengths) >= lo and max(lengths) <= hi
+    # Uniform on [lo, hi]: mean and spread within sampling error, both ends reached.
+    assert statistics.fmean(lengths) == pytest.approx((lo + hi) / 2, abs=0.06 * (hi - lo))
+    assert statistics.pstdev(lengths) == pytest.approx((hi - lo) / 12**0.5, rel=0.15)
+    assert min(lengths) < lo + 0.1 * (hi - lo) and max(lengths) > hi - 0.1 * (hi - lo)
+    words = " ".join(texts).split()
+    assert len(set(words)) > 500 and all(w.isalpha() for w in words)  # words, not ids
+
+
+def test_flops_by_hand():
+    spec = ModelSpec.from_hf_config(dict(model_type="llama", hidden_size=8, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, intermediate_size=16,
+                                         vocab_size=100))
+    # per layer: qkv 8*(8+4+4) + o 8*8 + gate_up 8*32 + down 16*8 = 128+64+256+128 = 576 MACs
+    assert flops.linear_flops_per_token(spec) == 2 * 576 * 2
+    # texts of 3 and 1 tokens: 4 tokens, 6 + 1 causal pairs, 2 labels per text
+    attention = 2 * 2 * 2 * 4 * 7 * 2  # (QK + PV) × 2 FLOPs × heads × head_dim × pairs × layers
+    assert flops.score_flops(spec, [3, 1], 2) == 2304 * 4 + attention + 2 * 8 * 2 * 2
+    # prompt 3, W=2, N=3: 3 + 4 tokens; pairs 6 + 2*(3+1) + 2*(3+2); LM head on 1 + 4 rows
+    pairs = 6 + 2 * 4 + 2 * 5
+    assert flops.beam_flops(spec, 3, 2, 3) == 2304 * 7 + 2 * 2 * 2 * 4 * pairs * 2 + 2 * 8 * 100 * 5
+    assert flops.mfu(100.0, 989e10) == pytest.approx(1.0)
+
+
+@pytest.mark.slow
+def test_harness_smoke_on_cpu(demo, tmp_path):
+    work, _ = demo
+    store = tmp_path / "work" / "model-store"
+    store.mkdir(parents=True)
+    for name in ("smollm2_intent", "smollm2_complete"):  # reuse the demo's archives
+        (store / f"slm_{name}.mar").symlink_to(work / "model-store" / f"{name}.mar")
+    out = tmp_path / "out"
+    subprocess.run([sys.executable, "-m", "bench.run", "--smoke", "--device", "cpu", "--work", str(tmp_path / "work"),
+                    "--out", str(out), "--duration", "1.5", "--warmup", "0.5", "--requests", "4", "--hf-workers", "1",
+                    "--commit", "test"], check=True, timeout=900)
+    (results,) = out.glob("*_smoke.jsonl")
+    records = load(results)
+    assert all(REQUIRED <= set(r) for r in records)
+    seen = {(r["system"], r["workload"]) for r in records}
+    assert {("slm", "W1"), ("hf", "W1"), ("slm", "W2"), ("hf", "W2"), ("noop", "ceiling")} <= seen
+    assert all(r["errors"] == 0 for r in records)
+    assert all(r["completed"] > 0 and r["flops_per_request"] > 0 for r in records if r["system"] != "noop")
+    report = table(records)
+    assert "| W1 | slm |" in report and "| W2 | hf |" in report and "ceiling" in report
+    assert len(plot(records, out, results.stem)) == 2
