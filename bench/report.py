@@ -52,7 +52,8 @@ def table(records: list[dict]) -> str:
                 f"{cap['concurrency'] if cap else '–'}{' ×' + str(cap['workers']) + ' workers' if cap and cap['workers'] > 1 else ''} | "
                 f"{fmt(cap['mean_ms']) + ' / ' + fmt(cap['p99_ms']) if cap else '–'} | "
                 f"{fmt(100 * cap['mfu_effective'], 2) + ' %' if cap else '–'} | "
-                f"{fmt(best['qps'])} (c={best['concurrency']}, mean {fmt(best['mean_ms'])} ms) | {ratio} |")
+                f"{fmt(best['qps'])} (c={best['concurrency']}, mean {fmt(best['mean_ms'])} ms, "
+                f"MFU {fmt(100 * best['mfu_effective'], 2)} %) | {ratio} |")
     noop = [r for r in records if r["system"] == "noop"]
     if noop:
         top = max(noop, key=lambda r: r["qps"])
