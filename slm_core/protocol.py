@@ -64,7 +64,7 @@ def request_field(payload: Any, task: str) -> Any:
     field = FIELDS[task]
     if not isinstance(payload, dict):
         raise InputError(f'request body must be a JSON object like {{"{field}": ...}}, got {type(payload).__name__}')
-    unknown = sorted(set(payload) - {field})
+    unknown = sorted(set(payload) - {field})[:5]  # a few names are enough; a hostile body may hold millions
     if field not in payload:
         raise InputError(f"request body is missing the field {field!r}" + (f" (got {unknown})" if unknown else ""))
     if unknown:
