@@ -1,0 +1,76 @@
+"""Packed varlen causal GQA attention (prefill) in Triton, and its wrapper.
+
+One program handles BLOCK_M query rows of one sequence for one query head: it streams that
+sequence's K/V blocks up to the causal limit with an FP32 online softmax, so no score matrix is
+ever stored and no cross-sequence pair is computed. K/V are read per kv head (h // G): never
+expanded. Reference: kernels.attention_ref.packed_attention_ref.
+
+Status: checked against the reference in Triton's CPU interpreter (fp32); not yet timed on the
+H200 nor used by the engine, which still calls the reference (issue 5 wires it in through
+torch.library.triton_op once it wins there). The interpreter needs numpy < 2.4: with 2.4 a loop
+bound computed from tl.program_id fails to convert ("only 0-dimensional arrays ...").
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _packed_attention_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    m_block, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start = tl.load(cu_ptr + seq)
+    length = tl.load(cu_ptr + seq + 1) - start
+    if m_block * BLOCK_M >= length:
+        return
+    kv_head = head // GROUP
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # positions within the sequence
+    dims = tl.arange(0, HEAD_DIM)
+    row_ok = rows < length
+    q = tl.load(q_ptr + (start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :],
+                mask=row_ok[:, None], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    # Causal: no key beyond the block's last row; keys past the sequence end are masked below.
+    for n0 in range(0, (m_block + 1) * BLOCK_M, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < length
+        k = tl.load(k_ptr + (start + cols)[:, None] * stride_kt + kv_head * stride_kh + dims[None, :],
+                    mask=col_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + (start + cols)[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
+                    mask=col_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [BLOCK_M, BLOCK_N]
+        s = tl.where((cols[None, :] <= rows[:, None]) & col_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(o_ptr + (start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def packed_attention(q, k, v, cu_seqlens, scale: float, max_seqlen: int, block_m: int = 64, block_n: int = 64):
+    """q: [T, Hq, D]; k, v: [T, Hkv, D]; cu_seqlens: [N+1] int32; max_seqlen: a bound on every
+    sequence's length (the task bound: the grid is static). Returns [T, Hq, D] in q's dtype."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    if hq % hkv or d not in (16, 32, 64, 128) or k.shape != v.shape or k.shape[0] != t:
+        raise ValueError(f"packed_attention: unsupported shapes q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if not (q.stride(-1) == k.stride(-1) == v.stride(-1) == 1):
+        raise ValueError("packed_attention: the head dimension must be contiguous")
+    out = torch.empty_like(q)
+    grid = (triton.cdiv(max_seqlen, block_m), cu_seqlens.shape[0] - 1, hq)
+    _packed_attention_kernel[grid](
+        q, k, v, out, cu_seqlens, scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
+    )
+    return out

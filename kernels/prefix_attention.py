@@ -1,0 +1,90 @@
+"""Shared-prefix beam decode attention in Triton, and its wrapper.
+
+W beams each attend over the prompt K/V stored once ([Lp, Hkv, D]) plus their own suffix
+([W, S, Hkv, D]) in one FP32 online softmax, without concatenating anything. One program takes
+BLOCK_W beams × the G query heads of one kv head as its M rows, so each prompt K/V tile is read
+once per group of beams (the Hydragen / cascade-attention idea). Reference:
+kernels.attention_ref.prefix_suffix_attention_ref.
+
+Status: as kernels/packed_attention.py (interpreter-checked in fp32, not yet timed or used).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _prefix_attention_kernel(
+    q_ptr, kp_ptr, vp_ptr, ks_ptr, vs_ptr, o_ptr, scale, width, prefix_len,
+    stride_qw, stride_qh, stride_kpt, stride_kph, stride_vpt, stride_vph,
+    stride_ksw, stride_kss, stride_ksh, stride_vsw, stride_vss, stride_vsh, stride_ow, stride_oh,
+    SUFFIX: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    w_block, kv_head = tl.program_id(0), tl.program_id(1)
+    # Row r: beam w_block*BLOCK_W + r // GROUP_PAD, query head kv_head*GROUP + r % GROUP_PAD (the group
+    # is padded to a power of two: 7 query heads per kv head in Qwen2.5-0.5B, 3 in SmolLM2).
+    rows = tl.arange(0, BLOCK_W * GROUP_PAD)
+    beam = w_block * BLOCK_W + rows // GROUP_PAD
+    head = kv_head * GROUP + rows % GROUP_PAD
+    dims = tl.arange(0, HEAD_DIM)
+    ok = (beam < width) & (rows % GROUP_PAD < GROUP)
+    q = tl.load(q_ptr + beam[:, None] * stride_qw + head[:, None] * stride_qh + dims[None, :], mask=ok[:, None],
+                other=0.0)
+    m_i = tl.full([BLOCK_W * GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_W * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_W * GROUP_PAD, HEAD_DIM], tl.float32)
+    for n0 in range(0, prefix_len, BLOCK_N):  # the shared prompt: one K/V tile for all rows
+        cols = n0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < prefix_len
+        k = tl.load(kp_ptr + cols[:, None] * stride_kpt + kv_head * stride_kph + dims[None, :], mask=col_ok[:, None],
+                    other=0.0)
+        v = tl.load(vp_ptr + cols[:, None] * stride_vpt + kv_head * stride_vph + dims[None, :], mask=col_ok[:, None],
+                    other=0.0)
+        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+        s = tl.where(col_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        m_i = m_new
+    for j in range(SUFFIX):  # each beam's own generated tokens (a handful): one key per row
+        k = tl.load(ks_ptr + beam[:, None] * stride_ksw + j * stride_kss + kv_head * stride_ksh + dims[None, :],
+                    mask=ok[:, None], other=0.0)
+        v = tl.load(vs_ptr + beam[:, None] * stride_vsw + j * stride_vss + kv_head * stride_vsh + dims[None, :],
+                    mask=ok[:, None], other=0.0)
+        s = tl.sum(q.to(tl.float32) * k.to(tl.float32), 1) * scale
+        m_new = tl.maximum(m_i, s)
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new)
+        l_i = l_i * alpha + p
+        acc = acc * alpha[:, None] + p[:, None] * v.to(tl.float32)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(o_ptr + beam[:, None] * stride_ow + head[:, None] * stride_oh + dims[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=ok[:, None])
+
+
+def prefix_suffix_attention(q, k_prefix, v_prefix, k_suffix, v_suffix, scale: float, block_w: int = 16,
+                            block_n: int = 64):
+    """q: [W, Hq, D]; k/v_prefix: [Lp, Hkv, D]; k/v_suffix: [W, S, Hkv, D]. Returns [W, Hq, D]."""
+    w, hq, d = q.shape
+    lp, hkv, _ = k_prefix.shape
+    s = k_suffix.shape[1]
+    if hq % hkv or d not in (16, 32, 64, 128) or k_suffix.shape != (w, s, hkv, d) or v_prefix.shape != k_prefix.shape:
+        raise ValueError(f"prefix_suffix_attention: unsupported shapes q {tuple(q.shape)}, "
+                         f"prefix {tuple(k_prefix.shape)}, suffix {tuple(k_suffix.shape)}")
+    if any(t.stride(-1) != 1 for t in (q, k_prefix, v_prefix, k_suffix, v_suffix)):
+        raise ValueError("prefix_suffix_attention: the head dimension must be contiguous")
+    out = torch.empty_like(q)
+    grid = (triton.cdiv(w, block_w), hkv)
+    _prefix_attention_kernel[grid](
+        q, k_prefix, v_prefix, k_suffix, v_suffix, out, scale, w, lp,
+        q.stride(0), q.stride(1), k_prefix.stride(0), k_prefix.stride(1), v_prefix.stride(0), v_prefix.stride(1),
+        k_suffix.stride(0), k_suffix.stride(1), k_suffix.stride(2), v_suffix.stride(0), v_suffix.stride(1),
+        v_suffix.stride(2), out.stride(0), out.stride(1),
+        SUFFIX=s, GROUP=hq // hkv, GROUP_PAD=triton.next_power_of_2(hq // hkv), HEAD_DIM=d, BLOCK_W=block_w, BLOCK_N=block_n,
+    )
+    return out

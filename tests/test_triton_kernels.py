@@ -1,0 +1,97 @@
+"""Triton kernels against their PyTorch references in Triton's CPU interpreter (fp32: bf16 tl.dot
+is wrong there). The interpreter must be chosen before triton is imported, so each check runs in
+a fresh process."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+PACKED_CHECK = r"""
+import json, sys, torch
+from kernels.packed_attention import packed_attention
+from kernels.attention_ref import packed_attention_ref
+errors = []
+for lengths, (hq, hkv, d), block in json.loads(sys.argv[1]):
+    torch.manual_seed(len(lengths))
+    t = sum(lengths)
+    q, k, v = torch.randn(t, hq, d), torch.randn(t, hkv, d), torch.randn(t, hkv, d)
+    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    out = packed_attention(q, k, v, cu, d ** -0.5, max_seqlen=max(lengths), block_m=block, block_n=block)
+    errors.append((out - packed_attention_ref(q, k, v, cu, d ** -0.5)).abs().max().item())
+print(json.dumps(errors))
+"""
+
+PACKED_CASES = [
+    ([1], (4, 4, 16), 16),  # one sequence of one token
+    ([5, 1, 12, 3], (6, 2, 64), 16),  # GQA, lengths not multiples of the block
+    ([70, 3, 130], (8, 1, 32), 32),  # MQA, several blocks per sequence, causal limit inside a block
+    ([2] * 64, (4, 2, 16), 16),  # 64 sequences
+    ([48], (2, 1, 128), 16),  # head_dim 128, the task bound as the only sequence
+]
+
+
+def run_check(script: str, cases: list) -> list[float]:
+    """Run `script` over `cases` in a fresh interpreter-mode process; its max errors per case."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    result = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_packed_attention_matches_reference_in_interpreter():
+    errors = run_check(PACKED_CHECK, PACKED_CASES)
+    assert len(errors) == len(PACKED_CASES) and max(errors) < 1e-5, errors
+
+
+PREFIX_CHECK = r"""
+import json, sys, torch
+from kernels.prefix_attention import prefix_suffix_attention
+from kernels.attention_ref import prefix_suffix_attention_ref
+errors = []
+for w, lp, s, (hq, hkv, d), block_w in json.loads(sys.argv[1]):
+    torch.manual_seed(w + lp)
+    q = torch.randn(w, hq, d)
+    kp, vp = torch.randn(lp, hkv, d), torch.randn(lp, hkv, d)
+    ks, vs = torch.randn(w, s, hkv, d), torch.randn(w, s, hkv, d)
+    out = prefix_suffix_attention(q, kp, vp, ks, vs, d ** -0.5, block_w=block_w, block_n=16)
+    errors.append((out - prefix_suffix_attention_ref(q, kp, vp, ks, vs, d ** -0.5)).abs().max().item())
+print(json.dumps(errors))
+"""
+
+PREFIX_CASES = [
+    (1, 1, 1, (4, 4, 16), 4),  # W = 1, a one-token prompt, L_s = 1
+    (5, 7, 2, (14, 2, 64), 4),  # Qwen2.5-0.5B heads: a group of 7 (padded to 8)
+    (3, 11, 4, (9, 3, 64), 2),  # SmolLM2 heads: a group of 3
+    (33, 40, 5, (8, 1, 32), 8),  # L_s = 5, beams not a multiple of the block
+    (400, 20, 3, (2, 2, 128), 16),  # W = 400, head_dim 128
+]
+
+
+def test_prefix_suffix_attention_matches_reference_in_interpreter():
+    errors = run_check(PREFIX_CHECK, PREFIX_CASES)
+    assert len(errors) == len(PREFIX_CASES) and max(errors) < 1e-5, errors
+
+
+def test_wrappers_refuse_bad_shapes():
+    import torch
+
+    from kernels.packed_attention import packed_attention
+
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="unsupported shapes"):
+        packed_attention(torch.randn(4, 3, 16), torch.randn(4, 2, 16), torch.randn(4, 2, 16), cu, 0.25, 4)
+    with pytest.raises(ValueError, match="head dimension must be contiguous"):
+        q = torch.randn(4, 16, 2).transpose(1, 2)
+        packed_attention(q, torch.randn(4, 2, 16), torch.randn(4, 2, 16), cu, 0.25, 4)
+    from kernels.prefix_attention import prefix_suffix_attention
+
+    with pytest.raises(ValueError, match="unsupported shapes"):
+        prefix_suffix_attention(torch.randn(4, 4, 16), torch.randn(3, 2, 16), torch.randn(3, 2, 16),
+                                torch.randn(5, 1, 2, 16), torch.randn(5, 1, 2, 16), 0.25)
