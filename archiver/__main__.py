@@ -17,13 +17,15 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--device", default="cpu", help="cpu or cuda: where the archive will serve (build there)")
     b.add_argument("--workers", type=int, default=1, help="TorchServe workers for this model (model-config.yaml)")
     b.add_argument("--response-timeout", type=int, default=120, help="seconds before TorchServe restarts a worker")
+    b.add_argument("--attention", choices=["reference", "triton"], default="reference",
+                   help="attention implementation compiled into the graph (triton: CUDA builds only)")
     args = parser.parse_args(argv)
 
     from archiver.build import build
 
     try:
         build(args.checkpoint, args.task, args.model_name, args.export_path, args.device, args.workers,
-              args.response_timeout)
+              args.response_timeout, args.attention)
     except (SpecError, FileNotFoundError) as e:
         print(f"slm-archiver: error: {e}", file=sys.stderr)
         return 2

@@ -40,7 +40,7 @@ def model_config(device: str, workers: int, response_timeout: int) -> dict:
 
 def build(
     checkpoint: str, task_path: str, model_name: str, export_path: str, device: str = "cpu",
-    workers: int = 1, response_timeout: int = 120,
+    workers: int = 1, response_timeout: int = 120, attention: str = "reference",
 ) -> Path:
     from model_archiver.model_archiver_config import ModelArchiverConfig
     from model_archiver.model_packaging import generate_model_archive
@@ -52,7 +52,7 @@ def build(
         stage = Path(tmp) / "stage"
         progress(f"loading checkpoint {checkpoint}")
         ckpt = load_checkpoint(checkpoint)
-        manifest = build_package(ckpt, task, device, stage, progress)
+        manifest = build_package(ckpt, task, device, stage, progress, attention)
         progress(f"compiled graph matches eager: {manifest['check']}")
         for name in SOURCE_PACKAGES:
             src = Path(importlib.util.find_spec(name).submodule_search_locations[0])

@@ -14,6 +14,7 @@ bound computed from tl.program_id fails to convert ("only 0-dimensional arrays .
 import torch
 import triton
 import triton.language as tl
+from torch.library import triton_op, wrap_triton
 
 
 @triton.jit
@@ -57,7 +58,11 @@ def _packed_attention_kernel(
              out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def packed_attention(q, k, v, cu_seqlens, scale: float, max_seqlen: int, block_m: int = 64, block_n: int = 64):
+@triton_op("slm::packed_attention", mutates_args={})  # exports into AOTInductor graphs
+def packed_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float, max_seqlen: int,
+    block_m: int = 64, block_n: int = 64,
+) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D]; cu_seqlens: [N+1] int32; max_seqlen: a bound on every
     sequence's length (the task bound: the grid is static). Returns [T, Hq, D] in q's dtype."""
     t, hq, d = q.shape
@@ -68,7 +73,7 @@ def packed_attention(q, k, v, cu_seqlens, scale: float, max_seqlen: int, block_m
         raise ValueError("packed_attention: the head dimension must be contiguous")
     out = torch.empty_like(q)
     grid = (triton.cdiv(max_seqlen, block_m), cu_seqlens.shape[0] - 1, hq)
-    _packed_attention_kernel[grid](
+    wrap_triton(_packed_attention_kernel)[grid](
         q, k, v, out, cu_seqlens, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,

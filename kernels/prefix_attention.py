@@ -12,6 +12,7 @@ Status: as kernels/packed_attention.py (interpreter-checked in fp32, not yet tim
 import torch
 import triton
 import triton.language as tl
+from torch.library import triton_op, wrap_triton
 
 
 @triton.jit
@@ -67,8 +68,11 @@ def _prefix_attention_kernel(
              out.to(o_ptr.dtype.element_ty), mask=ok[:, None])
 
 
-def prefix_suffix_attention(q, k_prefix, v_prefix, k_suffix, v_suffix, scale: float, block_w: int = 16,
-                            block_n: int = 64):
+@triton_op("slm::prefix_suffix_attention", mutates_args={})  # exports into AOTInductor graphs
+def prefix_suffix_attention(
+    q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor, k_suffix: torch.Tensor, v_suffix: torch.Tensor,
+    scale: float, block_w: int = 16, block_n: int = 64,
+) -> torch.Tensor:
     """q: [W, Hq, D]; k/v_prefix: [Lp, Hkv, D]; k/v_suffix: [W, S, Hkv, D]. Returns [W, Hq, D]."""
     w, hq, d = q.shape
     lp, hkv, _ = k_prefix.shape
@@ -80,7 +84,7 @@ def prefix_suffix_attention(q, k_prefix, v_prefix, k_suffix, v_suffix, scale: fl
         raise ValueError("prefix_suffix_attention: the head dimension must be contiguous")
     out = torch.empty_like(q)
     grid = (triton.cdiv(w, block_w), hkv)
-    _prefix_attention_kernel[grid](
+    wrap_triton(_prefix_attention_kernel)[grid](
         q, k_prefix, v_prefix, k_suffix, v_suffix, out, scale, w, lp,
         q.stride(0), q.stride(1), k_prefix.stride(0), k_prefix.stride(1), v_prefix.stride(0), v_prefix.stride(1),
         k_suffix.stride(0), k_suffix.stride(1), k_suffix.stride(2), v_suffix.stride(0), v_suffix.stride(1),

@@ -25,7 +25,7 @@ def build_graph(ckpt: Checkpoint, task: TaskSpec, runtime: RuntimeSpec) -> tuple
     """Checkpoint + task -> (ScoreGraph | BeamGraph on the runtime device, packed tokenizer)."""
     tokenizer = PackedTokenizer(ckpt.tokenizer, task)
     dtype = getattr(torch, PRECISIONS[task.precision])
-    model = Transformer.empty(ckpt.spec, task.max_seq_tokens, dtype, runtime.device)
+    model = Transformer.empty(ckpt.spec, task.max_seq_tokens, dtype, runtime.device, runtime.attention)
     model.load_hf_weights(ckpt.weights)
     if task.task == "score":
         graph = ScoreGraph(model, tokenizer.label_ids())

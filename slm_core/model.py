@@ -39,9 +39,11 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, kernels: tuple | None = None, max_seqlen: int = 0):
         super().__init__()
         self.spec = spec
+        self.kernels = kernels  # (packed, prefix_suffix) Triton ops, or None for the references
+        self.max_seqlen = max_seqlen  # static grid bound of the packed kernel
         self.qkv = nn.Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size, bias=spec.qkv_bias)
         self.o = nn.Linear(spec.q_size, spec.hidden_size, bias=spec.o_bias)
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
@@ -60,7 +62,10 @@ class Attention(nn.Module):
 
     def prefill(self, x, cos, sin, cu_seqlens) -> tuple[torch.Tensor, KV]:
         q, k, v = self.project(x, cos, sin)
-        o = packed_attention_ref(q, k, v, cu_seqlens, self.scale)
+        if self.kernels is not None:
+            o = self.kernels[0](q, k, v, cu_seqlens, self.scale, self.max_seqlen)
+        else:
+            o = packed_attention_ref(q, k, v, cu_seqlens, self.scale)
         return self.o(o.flatten(1)), (k, v)
 
     def decode(self, x, cos, sin, prefix: KV, suffix: KV | None) -> tuple[torch.Tensor, KV]:
@@ -68,7 +73,8 @@ class Attention(nn.Module):
         k, v = k[:, None], v[:, None]  # [W, 1, Hkv, D]
         if suffix is not None:
             k, v = torch.cat([suffix[0], k], dim=1), torch.cat([suffix[1], v], dim=1)
-        o = prefix_suffix_attention_ref(q, prefix[0], prefix[1], k, v, self.scale)
+        attend = self.kernels[1] if self.kernels is not None else prefix_suffix_attention_ref
+        o = attend(q, prefix[0], prefix[1], k, v, self.scale)
         return self.o(o.flatten(1)), (k, v)
 
 
@@ -84,10 +90,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, kernels: tuple | None, max_seqlen: int):
         super().__init__()
         self.input_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.attn = Attention(spec)
+        self.attn = Attention(spec, kernels, max_seqlen)
         self.post_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
@@ -97,12 +103,21 @@ class Block(nn.Module):
         return x + self.mlp(self.post_norm(x)), kv
 
 
+def triton_kernels() -> tuple:
+    """The Triton attention ops (imported only when asked for: triton is optional on CPU)."""
+    from kernels.packed_attention import packed_attention
+    from kernels.prefix_attention import prefix_suffix_attention
+
+    return packed_attention, prefix_suffix_attention
+
+
 class Transformer(nn.Module):
-    def __init__(self, spec: ModelSpec, max_positions: int):
+    def __init__(self, spec: ModelSpec, max_positions: int, attention: str = "reference"):
         super().__init__()
         self.spec = spec
         self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(Block(spec) for _ in range(spec.num_layers))
+        kernels = triton_kernels() if attention == "triton" else None
+        self.layers = nn.ModuleList(Block(spec, kernels, max_positions) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.max_positions = max_positions
@@ -122,10 +137,13 @@ class Transformer(nn.Module):
         self.sin = angles.sin()
 
     @classmethod
-    def empty(cls, spec: ModelSpec, max_positions: int, dtype: torch.dtype, device: torch.device | str) -> "Transformer":
+    def empty(
+        cls, spec: ModelSpec, max_positions: int, dtype: torch.dtype, device: torch.device | str,
+        attention: str = "reference",
+    ) -> "Transformer":
         """A model with uninitialised weights (no random init cost), ready for load_hf_weights."""
         with torch.device("meta"):
-            model = cls(spec, max_positions)
+            model = cls(spec, max_positions, attention)
         model = model.to_empty(device=device).to(dtype)
         model.finish()
         return model.eval().requires_grad_(False)

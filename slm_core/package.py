@@ -48,12 +48,13 @@ def versions(device: torch.device) -> dict[str, Any]:
 
 
 def build_package(
-    ckpt: Checkpoint, task: TaskSpec, device: str, out_dir: Path, progress: Callable[[str], None] = print
+    ckpt: Checkpoint, task: TaskSpec, device: str, out_dir: Path, progress: Callable[[str], None] = print,
+    attention: str = "reference",
 ) -> dict[str, Any]:
     """Compile `task` for `device` into out_dir; returns the manifest. Raises SpecError when the
     compiled graph disagrees with the eager one."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    runtime = RuntimeSpec(device)
+    runtime = RuntimeSpec(device, attention)
     dev = torch.device(device)
 
     def step(what: str, fn):
@@ -80,6 +81,7 @@ def build_package(
         "stop_ids": tokenizer.stop_ids() if task.task == "beam" else [],
         "dtype": PRECISIONS[task.precision],
         "device": dev.type,
+        "attention": attention,
         "versions": versions(dev),
         "graph": {"file": GRAPH, "signature": signature(task)},
         "check": check,
@@ -161,4 +163,4 @@ def load_package(model_dir: str | Path, gpu_id: int | None = None) -> Engine:
     graph = torch._inductor.aoti_load_package(
         str(model_dir / manifest["graph"]["file"]), device_index=device.index if device.type == "cuda" else -1
     )
-    return Engine(graph, tokenizer, task, RuntimeSpec(str(device)))
+    return Engine(graph, tokenizer, task, RuntimeSpec(str(device), manifest.get("attention", "reference")))

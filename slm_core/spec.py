@@ -203,8 +203,13 @@ class RuntimeSpec:
     """Where and how the engine runs (the request-path settings of later issues join here)."""
 
     device: str = "cpu"
+    # "reference": kernels/attention_ref.py (any device); "triton": the Triton kernels (CUDA, or the
+    # CPU interpreter in tests). Fixed when the graph is built, so it is baked into an export.
+    attention: str = "reference"
 
     def __post_init__(self):
+        if self.attention not in ("reference", "triton"):
+            raise SpecError(f"runtime attention must be 'reference' or 'triton', got {self.attention!r}")
         try:
             dev = torch.device(self.device)
         except RuntimeError as e:

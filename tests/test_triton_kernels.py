@@ -36,7 +36,7 @@ PACKED_CASES = [
 ]
 
 
-def run_check(script: str, cases: list) -> list[float]:
+def run_check(script: str, cases: list):
     """Run `script` over `cases` in a fresh interpreter-mode process; its max errors per case."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     result = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], env=env, capture_output=True,
@@ -95,3 +95,44 @@ def test_wrappers_refuse_bad_shapes():
     with pytest.raises(ValueError, match="unsupported shapes"):
         prefix_suffix_attention(torch.randn(4, 4, 16), torch.randn(3, 2, 16), torch.randn(3, 2, 16),
                                 torch.randn(5, 1, 2, 16), torch.randn(5, 1, 2, 16), 0.25)
+
+
+ENGINE_CHECK = r"""
+import json, sys, tempfile, pathlib, torch
+sys.path.insert(0, "tests")
+from conftest import RANDOM_CONFIGS, train_tokenizer
+from transformers import AutoConfig, AutoModelForCausalLM
+from slm_core.checkpoint import load_checkpoint
+from slm_core.engine import Engine, build_graph
+from slm_core.spec import RuntimeSpec, TaskSpec
+out = {}
+for arch in json.loads(sys.argv[1]):
+    folder = pathlib.Path(tempfile.mkdtemp())
+    train_tokenizer(folder / "tokenizer.json")
+    vocab = len(json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"])
+    cfg = AutoConfig.for_model(arch, vocab_size=vocab, initializer_range=0.25, **RANDOM_CONFIGS[arch])
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    ckpt = load_checkpoint(folder)
+    def engine(task, attention):
+        spec, runtime = TaskSpec.from_dict({"precision": "fp32", **task}), RuntimeSpec("cpu", attention)
+        graph, tok = build_graph(ckpt, spec, runtime)
+        return Engine(graph, tok, spec, runtime)
+    score = {"task": "score", "labels": ["yes", "no"], "max_texts": 4, "max_text_tokens": 48}
+    texts = ["a", "search engines rank documents", "the lazy dog " * 4]
+    a, b = engine(score, "reference").score(texts), engine(score, "triton").score(texts)
+    beam = {"task": "beam", "beam_width": 4, "new_tokens": 3, "max_prompt_tokens": 32}
+    x, y = engine(beam, "reference").beam("a small language"), engine(beam, "triton").beam("a small language")
+    out[arch] = {"score": max(abs(p - q) for r, s in zip(a, b) for p, q in zip(r, s)),
+                 "beam_tokens_equal": [c["token_ids"] for c in x] == [c["token_ids"] for c in y],
+                 "beam_score": max(abs(c["score"] - d["score"]) for c, d in zip(x, y))}
+print(json.dumps(out))
+"""
+
+
+def test_engine_with_triton_attention_equals_reference_in_interpreter():
+    """The graphs with the Triton ops (RuntimeSpec(attention="triton")) equal the reference graphs:
+    GQA (qwen2, group 2) and MQA with all biases (llama)."""
+    result = run_check(ENGINE_CHECK, ["qwen2", "llama"])
+    for arch, r in result.items():
+        assert r["score"] < 1e-5 and r["beam_tokens_equal"] and r["beam_score"] < 1e-4, (arch, r)
