@@ -45,7 +45,7 @@ def _packed_attention_kernel(
                     mask=col_ok[:, None], other=0.0)
         v = tl.load(v_ptr + (start + cols)[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
                     mask=col_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [BLOCK_M, BLOCK_N]
+        s = (tl.dot(q, tl.trans(k)) * scale).to(tl.float32)  # AOTI passes scale as fp64  # [BLOCK_M, BLOCK_N]
         s = tl.where((cols[None, :] <= rows[:, None]) & col_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)

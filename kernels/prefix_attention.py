@@ -43,7 +43,7 @@ def _prefix_attention_kernel(
                     other=0.0)
         v = tl.load(vp_ptr + cols[:, None] * stride_vpt + kv_head * stride_vph + dims[None, :], mask=col_ok[:, None],
                     other=0.0)
-        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+        s = (tl.dot(q, tl.trans(k)) * scale).to(tl.float32)  # AOTI passes scale as fp64
         s = tl.where(col_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
@@ -56,7 +56,7 @@ def _prefix_attention_kernel(
                     mask=ok[:, None], other=0.0)
         v = tl.load(vs_ptr + beam[:, None] * stride_vsw + j * stride_vss + kv_head * stride_vsh + dims[None, :],
                     mask=ok[:, None], other=0.0)
-        s = tl.sum(q.to(tl.float32) * k.to(tl.float32), 1) * scale
+        s = (tl.sum(q.to(tl.float32) * k.to(tl.float32), 1) * scale).to(tl.float32)
         m_new = tl.maximum(m_i, s)
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new)

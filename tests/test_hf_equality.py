@@ -17,9 +17,10 @@ TEXTS = [
 ]
 
 
-def engine_for(ckpt, device: str = "cpu", **task) -> Engine:
+def engine_for(ckpt, device: "str | RuntimeSpec" = "cpu", **task) -> Engine:
     """An engine on an already loaded checkpoint (fp32 unless the task says otherwise)."""
-    spec, runtime = TaskSpec.from_dict({"precision": "fp32", **task}), RuntimeSpec(device)
+    runtime = device if isinstance(device, RuntimeSpec) else RuntimeSpec(device)
+    spec = TaskSpec.from_dict({"precision": "fp32", **task})
     graph, tokenizer = build_graph(ckpt, spec, runtime)
     return Engine(graph, tokenizer, spec, runtime)
 
