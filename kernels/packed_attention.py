@@ -5,9 +5,9 @@ sequence's K/V blocks up to the causal limit with an FP32 online softmax, so no 
 ever stored and no cross-sequence pair is computed. K/V are read per kv head (h // G): never
 expanded. Reference: kernels.attention_ref.packed_attention_ref.
 
-Status: checked against the reference in Triton's CPU interpreter (fp32); not yet timed on the
-H200 nor used by the engine, which still calls the reference (issue 5 wires it in through
-torch.library.triton_op once it wins there). The interpreter needs numpy < 2.4: with 2.4 a loop
+Status: checked against the reference in Triton's CPU interpreter (fp32) and timed on the H200
+(bench/RESULTS.md). The graphs use it when built with RuntimeSpec(attention="triton"); the
+default stays the reference until the H200 capacity runs decide (issue 5). The interpreter needs numpy < 2.4: with 2.4 a loop
 bound computed from tl.program_id fails to convert ("only 0-dimensional arrays ...").
 """
 

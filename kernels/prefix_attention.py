@@ -6,7 +6,7 @@ BLOCK_W beams × the G query heads of one kv head as its M rows, so each prompt 
 once per group of beams (the Hydragen / cascade-attention idea). Reference:
 kernels.attention_ref.prefix_suffix_attention_ref.
 
-Status: as kernels/packed_attention.py (interpreter-checked in fp32, not yet timed or used).
+Status: as kernels/packed_attention.py.
 """
 
 import torch
