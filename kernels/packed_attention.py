@@ -16,6 +16,8 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
+from kernels.online_softmax import online_softmax_block
+
 
 @triton.jit
 def _packed_attention_kernel(
@@ -45,14 +47,9 @@ def _packed_attention_kernel(
                     mask=col_ok[:, None], other=0.0)
         v = tl.load(v_ptr + (start + cols)[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
                     mask=col_ok[:, None], other=0.0)
-        s = (tl.dot(q, tl.trans(k)) * scale).to(tl.float32)  # AOTI passes scale as fp64  # [BLOCK_M, BLOCK_N]
+        s = (tl.dot(q, tl.trans(k)) * scale).to(tl.float32)  # [BLOCK_M, BLOCK_N]; AOTI passes scale as fp64
         s = tl.where((cols[None, :] <= rows[:, None]) & col_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_block(s, v, m_i, l_i, acc)
     out = acc / l_i[:, None]
     tl.store(o_ptr + (start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
              out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])

@@ -14,6 +14,8 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
+from kernels.online_softmax import online_softmax_block
+
 
 @triton.jit
 def _prefix_attention_kernel(
@@ -45,12 +47,7 @@ def _prefix_attention_kernel(
                     other=0.0)
         s = (tl.dot(q, tl.trans(k)) * scale).to(tl.float32)  # AOTI passes scale as fp64
         s = tl.where(col_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_block(s, v, m_i, l_i, acc)
     for j in range(SUFFIX):  # each beam's own generated tokens (a handful): one key per row
         k = tl.load(ks_ptr + beam[:, None] * stride_ksw + j * stride_kss + kv_head * stride_ksh + dims[None, :],
                     mask=ok[:, None], other=0.0)
