@@ -1,6 +1,7 @@
 """Attention kernels on the GPU at workload shapes: error against the fp32 reference, and median
-time against the alternatives available there (the PyTorch reference as compiled into today's
-graphs is eager here; padded flash SDPA including its pad/unpad; SDPA over concatenated K/V).
+time against the alternatives available there: for prefill the PyTorch reference (eager), padded
+flash SDPA with and without its pad/unpad, flash `varlen_attn` and compiled flex attention with a
+precomputed document-causal block mask; for beam decode SDPA over the prompt K/V copied per beam.
 
     python -m bench.kernels_bench --out FILE.json
 """
@@ -59,7 +60,48 @@ def prefill(lengths: list[int], hq: int, hkv: int, d: int) -> dict:
         return o.transpose(1, 2).reshape(n * lmax, hq, d)[pos]
 
     r["padded flash SDPA incl. pad/unpad"] = {"ms": median_ms(padded), "rel_err": rel_err(padded(), ref)}
+    lmax, n = max(lengths), len(lengths)
+    pos = torch.cat([torch.arange(n_, device=dev) + i * lmax for i, n_ in enumerate(lengths)])
+    qp, kp, vp = (x.new_zeros(n * lmax, x.shape[1], d).index_copy_(0, pos, x).view(n, lmax, -1, d).transpose(1, 2)
+                  for x in (q, k, v))
+    flash = lambda: F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)  # noqa: E731
+    r["padded flash SDPA, kernel only (inputs pre-padded)"] = {
+        "ms": median_ms(flash), "rel_err": rel_err(flash().transpose(1, 2).reshape(n * lmax, hq, d)[pos], ref)}
+    r.update(varlen(q, k, v, cu, lmax, ref), **flex(q, k, v, lengths, ref))
     return out
+
+
+def varlen(q, k, v, cu, lmax: int, ref) -> dict:
+    """torch.nn.attention.varlen.varlen_attn (flash varlen), causal, GQA native where supported."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    if "enable_gqa" in params:
+        fn = lambda: varlen_attn(q, k, v, cu, cu, lmax, lmax, enable_gqa=True, **causal)  # noqa: E731
+        name = "varlen_attn (GQA)"
+    else:
+        g = q.shape[1] // k.shape[1]
+        fn = lambda: varlen_attn(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), cu, cu, lmax, lmax,  # noqa: E731
+                                 **causal)
+        name = "varlen_attn (K/V expanded per q head, incl. the expand)"
+    return {name: {"ms": median_ms(fn), "rel_err": rel_err(fn(), ref)}}
+
+
+def flex(q, k, v, lengths: list[int], ref) -> dict:
+    """Compiled flex attention with a document-causal block mask built once, outside the timing."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    doc = torch.repeat_interleave(torch.arange(len(lengths), device=q.device), torch.tensor(lengths, device=q.device))
+    mask = lambda b, h, i, j: (doc[i] == doc[j]) & (j <= i)  # noqa: E731
+    t = q.shape[0]
+    block = create_block_mask(mask, None, None, t, t, device=q.device)
+    compiled = torch.compile(flex_attention)
+    qf, kf, vf = (x.transpose(0, 1)[None] for x in (q, k, v))
+    fn = lambda: compiled(qf, kf, vf, block_mask=block, enable_gqa=True)[0].transpose(0, 1)  # noqa: E731
+    return {"flex attention (compiled, block mask precomputed)": {"ms": median_ms(fn), "rel_err": rel_err(fn(), ref)}}
 
 
 def decode(width: int, prompt: int, suffix: int, hq: int, hkv: int, d: int) -> dict:

@@ -30,30 +30,35 @@ def fmt(x: float, digits: int = 1) -> str:
     return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
+def label(r: dict) -> str:
+    """"slm (triton)", "slm (reference)", "hf", "noop"; records from before the attention field say "slm"."""
+    return r["system"] + (f" ({r['attention']})" if r.get("attention") else "")
+
+
 def table(records: list[dict]) -> str:
     by = defaultdict(list)
     for r in records:
         if r["system"] != "noop":
-            by[(r["workload"], r["system"])].append(r)
+            by[(r["workload"], label(r))].append(r)
     lines = [f"Capacity = highest completed QPS with {SLO}, closed loop, concurrency swept.", "",
              "| workload | system | capacity (req/s) | at concurrency | mean / P99 (ms) | effective MFU | "
-             "best QPS at any latency | ratio slm/hf |", "|---|---|---|---|---|---|---|---|"]
+             "best QPS at any latency | ratio to hf |", "|---|---|---|---|---|---|---|---|"]
     for workload in sorted({w for w, _ in by}):
-        caps = {s: capacity(by[(workload, s)]) for s in ("slm", "hf") if (workload, s) in by}
+        caps = {s: capacity(by[(workload, s)]) for s in sorted(s for w, s in by if w == workload)}
         for system, cap in caps.items():
             best = max(by[(workload, system)], key=lambda r: r["qps"])
             ratio = ""
-            if system == "slm" and caps.get("hf") and cap:
+            if system.startswith("slm") and caps.get("hf") and cap:
                 ratio = f"{cap['qps'] / caps['hf']['qps']:.1f}×"
-            elif system == "slm" and cap and "hf" in caps:
+            elif system.startswith("slm") and cap and "hf" in caps:
                 ratio = "hf meets no point"
             lines.append(
                 f"| {workload} | {system} | {fmt(cap['qps']) if cap else 'none'} | "
                 f"{cap['concurrency'] if cap else '–'}{' ×' + str(cap['workers']) + ' workers' if cap and cap['workers'] > 1 else ''} | "
                 f"{fmt(cap['mean_ms']) + ' / ' + fmt(cap['p99_ms']) if cap else '–'} | "
                 f"{fmt(100 * cap['mfu_effective'], 2) + ' %' if cap else '–'} | "
-                f"{fmt(best['qps'])} (c={best['concurrency']}, mean {fmt(best['mean_ms'])} ms, "
-                f"MFU {fmt(100 * best['mfu_effective'], 2)} %) | {ratio} |")
+                f"{fmt(best['qps'])} (c={best['concurrency']}{', ×' + str(best['workers']) + ' workers' if best['workers'] > 1 else ''}, "
+                f"mean {fmt(best['mean_ms'])} ms, MFU {fmt(100 * best['mfu_effective'], 2)} %) | {ratio} |")
     noop = [r for r in records if r["system"] == "noop"]
     if noop:
         top = max(noop, key=lambda r: r["qps"])
@@ -71,16 +76,16 @@ def plot(records: list[dict], out_dir: Path, stem: str) -> list[Path]:
     paths = []
     for workload in sorted({r["workload"] for r in records if r["system"] != "noop"}):
         fig, ax = plt.subplots(figsize=(6, 4))
-        for system in ("slm", "hf"):
-            for workers in sorted({r["workers"] for r in records if r["system"] == system}):
-                pts = sorted((r for r in records if r["workload"] == workload and r["system"] == system
+        for system in sorted({label(r) for r in records if r["system"] != "noop"}):
+            for workers in sorted({r["workers"] for r in records if label(r) == system}):
+                pts = sorted((r for r in records if r["workload"] == workload and label(r) == system
                               and r["workers"] == workers and r["completed"]), key=lambda r: r["concurrency"])
                 if not pts:
                     continue
-                label = f"{system}" + (f" ×{workers}" if system == "hf" else "")
-                line, = ax.plot([r["qps"] for r in pts], [r["mean_ms"] for r in pts], "o-", label=f"{label} mean")
+                name = system + (f" ×{workers}" if system == "hf" else "")
+                line, = ax.plot([r["qps"] for r in pts], [r["mean_ms"] for r in pts], "o-", label=f"{name} mean")
                 ax.plot([r["qps"] for r in pts], [r["p99_ms"] for r in pts], "x--", color=line.get_color(),
-                        label=f"{label} P99")
+                        label=f"{name} P99")
         ax.axhline(20, color="grey", lw=0.8, ls=":")
         ax.axhline(80, color="grey", lw=0.8, ls="-.")
         ax.set(xlabel="completed QPS (req/s)", ylabel="latency (ms)", yscale="log", title=f"{workload}: latency vs QPS")

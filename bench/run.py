@@ -6,6 +6,7 @@ CPU smoke (CI, SmolLM2, seconds of load):  python -m bench.run --smoke --out DIR
 """
 
 import argparse
+import concurrent.futures
 import dataclasses
 import datetime
 import json
@@ -49,13 +50,37 @@ def random_checkpoint(arch: dict, tokenizer: Path, out: Path) -> Path:
     return out
 
 
-def archive_slm(name: str, checkpoint: Path, task: dict, store: Path, device: str, work: Path) -> None:
+def slm_build(name: str, checkpoint: Path, task: dict, store: Path, device: str, attention: str,
+              work: Path) -> list[str] | None:
+    """The archiver command that builds `name`.mar, or None if the store already has it."""
     if (store / f"{name}.mar").exists():
-        return
+        return None
     (work / f"{name}.yaml").write_text(yaml.safe_dump(task))
-    subprocess.run([sys.executable, "-m", "archiver", "build", "--checkpoint", str(checkpoint), "--task",
-                    str(work / f"{name}.yaml"), "--model-name", name, "--export-path", str(store),
-                    "--device", device, "--response-timeout", "600"], check=True)
+    return [sys.executable, "-m", "archiver", "build", "--checkpoint", str(checkpoint), "--task",
+            str(work / f"{name}.yaml"), "--model-name", name, "--export-path", str(store), "--device", device,
+            "--attention", attention, "--response-timeout", "600"]
+
+
+def build_all(commands: dict[str, list[str]], jobs: int, work: Path) -> None:
+    """Run the archiver commands, `jobs` at a time (AOTInductor compiles are mostly single-threaded
+    C++ and Triton compiles, so independent archives overlap well on a many-core host). Each build
+    logs to work/build-<name>.log; its archiver lines are echoed when it ends."""
+    def one(name: str, argv: list[str]) -> None:
+        path = work / f"build-{name}.log"
+        start = time.monotonic()
+        with path.open("wb") as f:
+            rc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT).returncode
+        lines = path.read_text(errors="replace").splitlines()
+        for line in lines:
+            if line.startswith("[archiver"):
+                print(f"{name}: {line}", file=sys.stderr, flush=True)
+        if rc:
+            raise RuntimeError(f"building {name} failed ({rc}):\n" + "\n".join(lines[-40:]))
+        log(f"built {name} in {time.monotonic() - start:.0f} s")
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
+        for future in [pool.submit(one, n, argv) for n, argv in commands.items()]:
+            future.result()
 
 
 def archive_handler(name: str, handler: Path, extra: dict, store: Path, device: str, work: Path) -> None:
@@ -91,10 +116,14 @@ def main() -> None:
     p.add_argument("--out", default=str(BENCH / "results"))
     p.add_argument("--workloads", default="W1,W2,W3")
     p.add_argument("--systems", default="slm,hf")
+    p.add_argument("--attention", help="slm builds to measure, comma-separated: reference, triton "
+                                       "(default: both on cuda, reference on cpu)")
     p.add_argument("--hf-workers", default="1,4", help="peer worker counts to try; the best is kept")
     p.add_argument("--warmup", type=float, default=2.0)
     p.add_argument("--duration", type=float, default=6.0)
     p.add_argument("--requests", type=int, default=64, help="distinct request bodies per workload")
+    p.add_argument("--jobs", type=int, default=1, help="archives built at once")
+    p.add_argument("--build-only", action="store_true", help="build the archives into --work and stop")
     p.add_argument("--commit", default="unknown")
     p.add_argument("--smoke", action="store_true", help="CPU, SmolLM2, tiny requests, 1 s points")
     args = p.parse_args()
@@ -105,56 +134,73 @@ def main() -> None:
         d.mkdir(parents=True, exist_ok=True)
     workloads, checkpoints, tokenizers, specs = plan(args, work)
     systems = args.systems.split(",")
+    attentions = (args.attention or ("reference,triton" if args.device == "cuda" else "reference")).split(",")
+    hf_workers = [int(n) for n in args.hf_workers.split(",")]
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H%M%SZ")
     results = out / f"{stamp}_{'smoke' if args.smoke else 'bench'}.jsonl"
     meta = {"commit": args.commit, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "torch": torch.__version__, "date": stamp}
 
-    for w in workloads.values():  # W2 and W3 share one model and task: one archive each system
+    # One archive per model (W2 and W3 share one) and system; the slm one per attention choice.
+    # A deployment is (system, attention, served name, archive, workers).
+    deployments, builds = [], {}
+    for model, w in {w.model: w for w in workloads.values()}.items():
         if "slm" in systems:
-            archive_slm(f"slm_{w.model}", checkpoints[w.name], w.task, store, args.device, work)
+            for attention in attentions:
+                name = f"slm_{model}_{attention}"
+                if argv := slm_build(name, checkpoints[w.name], w.task, store, args.device, attention, work):
+                    builds[name] = argv
+                deployments.append(("slm", attention, name, f"{name}.mar", 1))
         if "hf" in systems:
-            archive_handler(f"hf_{w.model}", BENCH / "peer_handler.py",
+            archive_handler(f"hf_{model}", BENCH / "peer_handler.py",
                             {"peer.json": {"checkpoint": str(checkpoints[w.name]), "task": w.task}},
                             store, args.device, work)
+            deployments += [("hf", None, f"hf_{model}_x{n}", f"hf_{model}.mar", n) for n in hf_workers]
     archive_handler("noop", BENCH / "noop_handler.py", {}, store, "cpu", work)
+    build_all(builds, args.jobs, work)
+    if args.build_only:
+        return
 
     server_dir = work / f"server-{stamp}"
     server_dir.mkdir()
     server = TorchServe(server_dir, store).start()
-    records = []
 
-    def record(system: str, workload: str, point, flops_per_request: float, workers: int) -> None:
-        rec = {"system": system, "workload": workload, "workers": workers, **dataclasses.asdict(point), **meta,
-               "flops_per_request": flops_per_request,
+    def record(system: str, attention: str | None, workload: str, point, flops_per_request: float,
+               workers: int) -> None:
+        rec = {"system": system, "attention": attention, "workload": workload, "workers": workers,
+               **dataclasses.asdict(point), **meta, "flops_per_request": flops_per_request,
                # every FLOP is bf16 until an FP8 build exists, so the two figures agree
                "mfu_effective": flops.mfu(point.qps, flops_per_request), "mfu_bf16": flops.mfu(point.qps, flops_per_request)}
         rec.pop("request_indices")
-        records.append(rec)
         with results.open("a") as f:
             f.write(json.dumps(rec) + "\n")
-        log(f"{system:4s} {workload} workers={workers} c={point.concurrency:3d}: {point.qps:8.1f} req/s "
-            f"mean {point.mean_ms:7.1f} ms p99 {point.p99_ms:7.1f} ms errors {point.errors}")
+        log(f"{system:4s} {attention or '':9s} {workload} workers={workers} c={point.concurrency:3d}: "
+            f"{point.qps:8.1f} req/s mean {point.mean_ms:7.1f} ms p99 {point.p99_ms:7.1f} ms errors {point.errors}")
 
     try:
         server.register("noop.mar")
         for c in (1, 16, 64):
-            record("noop", "ceiling", measure(f"{server.inference}/predictions/noop", [b"{}"], c, 1.0, args.duration),
-                   0.0, 1)
+            record("noop", None, "ceiling", measure(f"{server.inference}/predictions/noop", [b"{}"], c, 1.0,
+                                                    args.duration), 0.0, 1)
+        # Every deployment loads at once (their workers start in parallel) and stays loaded; idle
+        # workers wait on their sockets, and one deployment is measured at a time.
+        start = time.monotonic()
+        for _, _, name, mar, workers in deployments:
+            server.register(mar, workers, name=name, synchronous=False)
+        for _, _, name, _, workers in deployments:
+            server.wait_ready(name, workers)
+            log(f"{name}: {workers} worker(s) ready after {time.monotonic() - start:.0f} s")
         for w in workloads.values():
             spec = specs[w.name]
             bodies = TextMaker(tokenizers[w.name], seed=1).requests(w, args.requests)
             per_body = [request_flops(w, spec, tokenizers[w.name], b) for b in bodies]
             encoded = [json.dumps(b).encode() for b in bodies]
-            for system in systems:
-                model = f"{system}_{w.model}"
-                for workers in ([1] if system == "slm" else [int(n) for n in args.hf_workers.split(",")]):
-                    server.register(f"{model}.mar", workers, name=model)
-                    log(f"{model}: {workers} worker(s) ready")
-                    sweep(f"{server.inference}/predictions/{model}", encoded,
-                          LEVELS[:2] if args.smoke else LEVELS, args.warmup, args.duration,
-                          on_point=lambda pt: record(system, w.name, pt, mean_flops(pt, per_body), workers))
-                    server.unregister(model)
+            for system, attention, name, _, workers in deployments:
+                if not name.startswith(f"{system}_{w.model}_"):
+                    continue
+                sweep(f"{server.inference}/predictions/{name}", encoded, LEVELS[:2] if args.smoke else LEVELS,
+                      args.warmup, args.duration,
+                      on_point=lambda pt: record(system, attention, w.name, pt, mean_flops(pt, per_body), workers))
     finally:
         server.stop()
     log(f"wrote {results}")

@@ -92,12 +92,25 @@ class TorchServe:
                 pass
         self.proc = None
 
-    def register(self, mar: str, workers: int = 1, name: str | None = None) -> dict:
-        """Register `mar` from the model store (as `name` if given, else the archive's own name)."""
-        query = f"url={mar}&initial_workers={workers}&synchronous=true" + (f"&model_name={name}" if name else "")
-        status, body = http("POST", f"{self.management}/models?{query}")
-        assert status == 200, body
+    def register(self, mar: str, workers: int = 1, name: str | None = None, synchronous: bool = True) -> dict:
+        """Register `mar` from the model store (as `name` if given, else the archive's own name). With
+        synchronous=False it returns once the archive is accepted; wait_ready() waits for the workers."""
+        query = (f"url={mar}&initial_workers={workers}&synchronous={str(synchronous).lower()}"
+                 + (f"&model_name={name}" if name else ""))
+        status, body = http("POST", f"{self.management}/models?{query}", timeout=600)
+        assert status in (200, 202), body
         return json.loads(body)
+
+    def wait_ready(self, model: str, workers: int, timeout: float = 900) -> None:
+        """Block until `model` has `workers` READY workers; TimeoutError (with the log tail) if not."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if sum(w["status"] == "READY" for w in self.workers(model)) >= workers:
+                return
+            time.sleep(0.5)
+        log = self.workdir / "logs" / "model_log.log"
+        tail = log.read_text()[-3000:] if log.exists() else ""
+        raise TimeoutError(f"{model}: {workers} worker(s) not ready after {timeout:.0f} s\n{tail}")
 
     def unregister(self, model: str) -> None:
         status, body = http("DELETE", f"{self.management}/models/{model}")

@@ -57,7 +57,7 @@ def test_harness_smoke_on_cpu(demo, tmp_path):
     store = tmp_path / "work" / "model-store"
     store.mkdir(parents=True)
     for name in ("smollm2_intent", "smollm2_complete"):  # reuse the demo's archives
-        (store / f"slm_{name}.mar").symlink_to(work / "model-store" / f"{name}.mar")
+        (store / f"slm_{name}_reference.mar").symlink_to(work / "model-store" / f"{name}.mar")
     out = tmp_path / "out"
     subprocess.run([sys.executable, "-m", "bench.run", "--smoke", "--device", "cpu", "--work", str(tmp_path / "work"),
                     "--out", str(out), "--duration", "3", "--warmup", "0.5", "--requests", "4", "--hf-workers", "1",
@@ -66,11 +66,12 @@ def test_harness_smoke_on_cpu(demo, tmp_path):
     records = load(results)
     assert all(REQUIRED <= set(r) for r in records)
     seen = {(r["system"], r["workload"]) for r in records}
+    assert {r["attention"] for r in records if r["system"] == "slm"} == {"reference"}
     assert {("slm", "W1"), ("hf", "W1"), ("slm", "W2"), ("hf", "W2"), ("noop", "ceiling")} <= seen
     assert all(r["errors"] == 0 for r in records)
     # Liveness, not speed: a 3 s window holds several CPU requests of under a second each.
     assert all(r["completed"] > 0 and r["flops_per_request"] > 0 for r in records
                if r["system"] != "noop" and r["concurrency"] == 1)
     report = table(records)
-    assert "| W1 | slm |" in report and "| W2 | hf |" in report and "ceiling" in report
+    assert "| W1 | slm (reference) |" in report and "| W2 | hf |" in report and "ceiling" in report
     assert len(plot(records, out, results.stem)) == 2

@@ -130,3 +130,47 @@ def test_triton_attention_graphs_on_cuda(random_checkpoint, tmp_path):
     ids = torch.randint(0, ckpt.spec.vocab_size, (40,), dtype=torch.int32, device="cuda")
     cu = torch.tensor([0, 1, 17, 40], dtype=torch.int32, device="cuda")
     torch.testing.assert_close(compiled(ids, cu), tri.graph(ids, cu), atol=2e-2, rtol=0)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("lengths, heads", [
+    ([1], (16, 8, 128)),  # one sequence of one token
+    ([512], (14, 2, 64)),  # the max bound, one sequence
+    ([160] * 15, (16, 8, 128)),  # W1 at its upper bound
+    ([2] * 64, (14, 2, 64)),  # 64 sequences
+    (list(range(16, 513, 33)), (9, 3, 64)),  # lengths 16..511, SmolLM2 heads
+])
+def test_packed_attention_bf16_full_size(lengths, heads):
+    from kernels.attention_ref import packed_attention_ref
+    from kernels.packed_attention import packed_attention
+
+    hq, hkv, d = heads
+    torch.manual_seed(len(lengths))
+    t = sum(lengths)
+    q, k, v = (torch.randn(t, h, d, device="cuda") for h in (hq, hkv, hkv))
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    out = packed_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), cu, d**-0.5, max(lengths))
+    err = rel_err(out, packed_attention_ref(q, k, v, cu, d**-0.5))
+    print(f"\npacked {len(lengths)} seqs, {t} tokens, heads {heads}: rel err {err:.1e}")
+    assert err <= 1e-2
+
+
+@pytest.mark.parametrize("w, lp, heads", [(1, 1, (16, 8, 128)), (100, 448, (14, 2, 64)), (400, 512, (9, 3, 64)),
+                                          (400, 100, (16, 8, 128))])
+@pytest.mark.parametrize("s", [1, 2, 3, 4, 5])
+def test_prefix_suffix_attention_bf16_full_size(w, lp, heads, s):
+    from kernels.attention_ref import prefix_suffix_attention_ref
+    from kernels.prefix_attention import prefix_suffix_attention
+
+    hq, hkv, d = heads
+    torch.manual_seed(w + lp + s)
+    q = torch.randn(w, hq, d, device="cuda")
+    kp, vp = torch.randn(lp, hkv, d, device="cuda"), torch.randn(lp, hkv, d, device="cuda")
+    ks, vs = torch.randn(w, s, hkv, d, device="cuda"), torch.randn(w, s, hkv, d, device="cuda")
+    bf = [x.bfloat16() for x in (q, kp, vp, ks, vs)]
+    err = rel_err(prefix_suffix_attention(*bf, d**-0.5), prefix_suffix_attention_ref(q, kp, vp, ks, vs, d**-0.5))
+    print(f"\nprefix W={w} Lp={lp} Ls={s} heads {heads}: rel err {err:.1e}")
+    assert err <= 1e-2

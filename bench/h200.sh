@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The H200 steps of bench/README.md, one per device call (each call may run 10 minutes; archives
+# built into .bench-work/ survive between calls while the machine stays warm).
+#   bash bench/h200.sh build   # archives for W1/W2/W3 (slm reference + triton, hf, noop), 4 at a time
+#   bash bench/h200.sh check   # GPU tests and the attention kernel bench
+#   bash bench/h200.sh bench   # the measured run: noop ceiling, sweeps, report, PNGs
+#   bash bench/h200.sh profile # where one request's time goes, per built slm archive
+# Needs: carry [".devbundle", "bench/assets"]; $OUT (the device tool's output folder); $COMMIT.
+set -u
+source .devbundle/setup.sh
+WORK=.bench-work
+COMMIT=${COMMIT:-unknown}
+ARGS=(--device cuda --tokenizer bench/assets/tokenizer.json --work "$WORK" --commit "$COMMIT")
+
+case "$1" in
+build)
+    python3 -m bench.run "${ARGS[@]}" --jobs 4 --build-only ;;
+check)
+    python3 -m pytest -q -s tests/test_gpu.py -p no:cacheprovider
+    python3 -m bench.kernels_bench --out "$OUT/kernels_bench.json" ;;
+bench)
+    python3 -m bench.run "${ARGS[@]}" --out "$OUT" --warmup 2 --duration 4 "${@:2}"
+    python3 -m bench.report "$OUT"/*_bench.jsonl --png-dir "$OUT" ;;
+profile)
+    for mar in "$WORK"/model-store/slm_*.mar; do
+        name=$(basename "$mar" .mar)
+        [ -d "$WORK/unpacked/$name" ] || python3 -m zipfile -e "$mar" "$WORK/unpacked/$name"
+        case "$name" in *score*) ws=W1 ;; *) ws="W2 W3" ;; esac
+        for w in $ws; do
+            python3 -m bench.profile --package "$WORK/unpacked/$name" --workload "$w" \
+                --tokenizer bench/assets/tokenizer.json --out "$OUT/profile_${w}_${name}.txt"
+        done
+    done ;;
+*)
+    echo "usage: bench/h200.sh build|check|bench|profile" >&2; exit 2 ;;
+esac
