@@ -19,6 +19,14 @@ def _to_layout(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     return out.copy_(x.permute(dims))
 
 
+def sequence_of_tokens(cu_seqlens: torch.Tensor, t: int | torch.SymInt) -> torch.Tensor:
+    """[T] index of the sequence each packed token belongs to. A compare-and-count over the N
+    boundaries rather than searchsorted: Inductor (torch 2.11, CUDA) cannot lower searchsorted over
+    a slice of a tensor computed in the graph, as the beam graph's [0, Lp] is."""
+    idx = torch.arange(t, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    return (idx[:, None] >= cu_seqlens[None, 1:]).sum(1)
+
+
 def packed_attention_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
 ) -> torch.Tensor:
@@ -31,7 +39,7 @@ def packed_attention_ref(
     hkv = k.shape[1]
     g = hq // hkv  # query head h reads kv head h // g (transformers' repeat_kv)
     idx = torch.arange(t, device=q.device, dtype=cu_seqlens.dtype)
-    seq = torch.searchsorted(cu_seqlens[1:], idx, right=True)  # [T] sequence of each token
+    seq = sequence_of_tokens(cu_seqlens, t)
     allowed = (seq[:, None] == seq[None, :]) & (idx[None, :] <= idx[:, None])  # [Tq, Tk]
     # bmm over kv heads with the query group folded into M: K/V are never expanded.
     qg = _to_layout(q.view(t, hkv, g, d), (1, 2, 0, 3)).view(hkv, g * t, d)

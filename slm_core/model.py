@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import packed_attention_ref, prefix_suffix_attention_ref
+from kernels import packed_attention_ref, prefix_suffix_attention_ref, sequence_of_tokens
 from slm_core.errors import SpecError
 from slm_core.spec import ModelSpec
 
@@ -155,7 +155,7 @@ class Transformer(nn.Module):
         """input_ids: [T] packed; cu_seqlens: [N+1] int32. Returns hidden [T, hidden] before the
         final norm and each layer's K/V ([T, Hkv, D] each)."""
         idx = torch.arange(input_ids.shape[0], device=input_ids.device, dtype=cu_seqlens.dtype)
-        seq = torch.searchsorted(cu_seqlens[1:], idx, right=True)
+        seq = sequence_of_tokens(cu_seqlens, input_ids.shape[0])
         x = self.embed(input_ids)
         cos, sin = self._rope(idx - cu_seqlens[seq], x.dtype)  # per-sequence positions
         kvs = []
