@@ -27,6 +27,10 @@ MANIFEST, GRAPH, TOKENIZER = "manifest.json", "graph.pt2", "tokenizer.json"
 # Compiled vs eager on the check inputs: largest allowed |difference| of probabilities / beam scores,
 # and the share of compiled beam candidates that eager also returns.
 TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
+# A beam score sums N bf16 log-probs over the whole vocabulary: transformers' own bf16 beam scores
+# are 0.08-0.21 from fp32 on the H200 (bench/results/2026-11-29_engine_gpu_*), so a compiled graph
+# that fuses differently from eager may differ by as much.
+BEAM_TOLERANCE = {"fp32": 1e-4, "bf16": 0.25}
 MIN_SHARED = {"fp32": 1.0, "bf16": 0.75}
 CHECK_TEXTS = [
     "cheap flights from berlin to rome in may",
@@ -124,7 +128,8 @@ def check_compiled(eager: Engine, compiled: Engine) -> dict[str, Any]:
                 if tuple(c["token_ids"]) in ref:
                     shared += 1
                     worst = max(worst, abs(c["score"] - ref[tuple(c["token_ids"])]))
-    check = {"inputs": len(samples), "max_abs_diff": worst, "tolerance": TOLERANCE[task.precision]}
+    tolerance = (TOLERANCE if task.task == "score" else BEAM_TOLERANCE)[task.precision]
+    check = {"inputs": len(samples), "max_abs_diff": worst, "tolerance": tolerance}
     if task.task == "beam":
         check.update(shared_candidates=shared / total, min_shared=MIN_SHARED[task.precision])
     if worst > check["tolerance"] or check.get("shared_candidates", 1.0) < check.get("min_shared", 0.0):
