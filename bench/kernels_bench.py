@@ -1,5 +1,7 @@
-"""Attention kernels on the GPU at workload shapes: error against the fp32 reference, and median
-time against the alternatives available there: for prefill the PyTorch reference (eager), padded
+"""Attention kernels on the GPU at workload shapes: error against the fp32 reference, and time
+against the alternatives available there. "gpu_ms" is the GPU time of one call replayed from a
+CUDA graph, without launch overhead; "eager_call_ms" is one call from Python, launch included
+(the compiled graphs launch from C++). The alternatives: for prefill the PyTorch reference, padded
 flash SDPA with and without its pad/unpad, flash `varlen_attn` and compiled flex attention with a
 precomputed document-causal block mask; for beam decode SDPA over the prompt K/V copied per beam.
 
@@ -19,6 +21,8 @@ from kernels.prefix_attention import prefix_suffix_attention
 
 
 def median_ms(fn, iters: int = 50) -> float:
+    """Median CUDA-event time of one eager call. A kernel launched from Python pays its launch
+    overhead here (tens of µs for a Triton kernel), which the compiled graphs do not."""
     for _ in range(5):
         fn()
     times = []
@@ -30,6 +34,31 @@ def median_ms(fn, iters: int = 50) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
+
+
+def graph_ms(fn, calls: int = 20, replays: int = 20) -> float:
+    """GPU time of one call without launch overhead: median over replays of a CUDA graph holding
+    `calls` back-to-back calls, divided by `calls`."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return median_ms(graph.replay, replays) / calls
+
+
+def timed(fn, ref) -> dict:
+    result = {"eager_call_ms": median_ms(fn), "rel_err": rel_err(fn(), ref)}
+    try:
+        result["gpu_ms"] = graph_ms(fn)
+    except Exception as e:  # an alternative that cannot be captured is reported, not fatal
+        result.update(gpu_ms=float("nan"), graph_error=f"{type(e).__name__}: {e}"[:300])
+    return result
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -46,27 +75,24 @@ def prefill(lengths: list[int], hq: int, hkv: int, d: int) -> dict:
     r = out["results"]
     for bm, bn in ((64, 64), (128, 64), (64, 32)):
         fn = lambda: packed_attention(q, k, v, cu, scale, max(lengths), bm, bn)  # noqa: E731
-        r[f"triton packed {bm}x{bn}"] = {"ms": median_ms(fn), "rel_err": rel_err(fn(), ref)}
-    r["reference (eager, dense mask)"] = {"ms": median_ms(lambda: packed_attention_ref(q, k, v, cu, scale)),
-                                          "rel_err": rel_err(packed_attention_ref(q, k, v, cu, scale), ref)}
+        r[f"triton packed {bm}x{bn}"] = timed(fn, ref)
+    r["reference (dense mask)"] = timed(lambda: packed_attention_ref(q, k, v, cu, scale), ref)
 
-    def padded():  # pad to [N, H, Lmax, D], flash SDPA (GQA), unpad
-        lmax, n = max(lengths), len(lengths)
-        idx = torch.cat([torch.arange(a, a + n_, device=dev) for a, n_ in zip(cu[:-1].tolist(), lengths)])
-        pos = torch.cat([torch.arange(n_, device=dev) + i * lmax for i, n_ in enumerate(lengths)])
-        pad = lambda x: x.new_zeros(n * lmax, x.shape[1], d).index_copy_(0, pos, x[idx]).view(n, lmax, -1, d)  # noqa: E731
-        o = F.scaled_dot_product_attention(pad(q).transpose(1, 2), pad(k).transpose(1, 2), pad(v).transpose(1, 2),
-                                           is_causal=True, enable_gqa=True)
-        return o.transpose(1, 2).reshape(n * lmax, hq, d)[pos]
-
-    r["padded flash SDPA incl. pad/unpad"] = {"ms": median_ms(padded), "rel_err": rel_err(padded(), ref)}
+    # Padded flash: each token's row in the padded [N * Lmax] layout, computed once per request
+    # (a graph would do it once for all layers), then per layer pad q/k/v, flash SDPA, unpad.
     lmax, n = max(lengths), len(lengths)
     pos = torch.cat([torch.arange(n_, device=dev) + i * lmax for i, n_ in enumerate(lengths)])
-    qp, kp, vp = (x.new_zeros(n * lmax, x.shape[1], d).index_copy_(0, pos, x).view(n, lmax, -1, d).transpose(1, 2)
-                  for x in (q, k, v))
+    pad = lambda x: x.new_zeros(n * lmax, x.shape[1], d).index_copy_(0, pos, x).view(n, lmax, -1, d).transpose(1, 2)  # noqa: E731
+
+    def padded():
+        o = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), is_causal=True, enable_gqa=True)
+        return o.transpose(1, 2).reshape(n * lmax, hq, d)[pos]
+
+    r["padded flash SDPA incl. pad/unpad"] = timed(padded, ref)
+    qp, kp, vp = pad(q), pad(k), pad(v)
     flash = lambda: F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)  # noqa: E731
-    r["padded flash SDPA, kernel only (inputs pre-padded)"] = {
-        "ms": median_ms(flash), "rel_err": rel_err(flash().transpose(1, 2).reshape(n * lmax, hq, d)[pos], ref)}
+    r["padded flash SDPA, kernel only (inputs pre-padded)"] = timed(
+        lambda: flash().transpose(1, 2).reshape(n * lmax, hq, d)[pos], ref)
     r.update(varlen(q, k, v, cu, lmax, ref), **flex(q, k, v, lengths, ref))
     return out
 
@@ -87,7 +113,7 @@ def varlen(q, k, v, cu, lmax: int, ref) -> dict:
         fn = lambda: varlen_attn(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), cu, cu, lmax, lmax,  # noqa: E731
                                  **causal)
         name = "varlen_attn (K/V expanded per q head, incl. the expand)"
-    return {name: {"ms": median_ms(fn), "rel_err": rel_err(fn(), ref)}}
+    return {name: timed(fn, ref)}
 
 
 def flex(q, k, v, lengths: list[int], ref) -> dict:
@@ -101,7 +127,7 @@ def flex(q, k, v, lengths: list[int], ref) -> dict:
     compiled = torch.compile(flex_attention)
     qf, kf, vf = (x.transpose(0, 1)[None] for x in (q, k, v))
     fn = lambda: compiled(qf, kf, vf, block_mask=block, enable_gqa=True)[0].transpose(0, 1)  # noqa: E731
-    return {"flex attention (compiled, block mask precomputed)": {"ms": median_ms(fn), "rel_err": rel_err(fn(), ref)}}
+    return {"flex attention (compiled, block mask precomputed)": timed(fn, ref)}
 
 
 def decode(width: int, prompt: int, suffix: int, hq: int, hkv: int, d: int) -> dict:
@@ -114,16 +140,16 @@ def decode(width: int, prompt: int, suffix: int, hq: int, hkv: int, d: int) -> d
     r = out["results"]
     for bw, bn in ((16, 64), (8, 64), (32, 32)):
         fn = lambda: prefix_suffix_attention(q, kp, vp, ks, vs, scale, bw, bn)  # noqa: E731
-        r[f"triton prefix {bw}x{bn}"] = {"ms": median_ms(fn), "rel_err": rel_err(fn(), ref)}
+        r[f"triton prefix {bw}x{bn}"] = timed(fn, ref)
     fn = lambda: prefix_suffix_attention_ref(q, kp, vp, ks, vs, scale)  # noqa: E731
-    r["reference (eager)"] = {"ms": median_ms(fn), "rel_err": rel_err(fn(), ref)}
+    r["reference"] = timed(fn, ref)
 
     def concat_sdpa():  # what a paged/copied cache does: the prompt K/V per beam, then SDPA
         k = torch.cat([kp.expand(width, -1, -1, -1), ks], 1).transpose(1, 2)
         v = torch.cat([vp.expand(width, -1, -1, -1), vs], 1).transpose(1, 2)
         return F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)[:, :, 0]
 
-    r["SDPA over prompt K/V copied per beam"] = {"ms": median_ms(concat_sdpa), "rel_err": rel_err(concat_sdpa(), ref)}
+    r["SDPA over prompt K/V copied per beam"] = timed(concat_sdpa, ref)
     return out
 
 
@@ -145,7 +171,8 @@ def main() -> None:
         if isinstance(res, dict):
             print(f"\n{name}: {res['shape']}")
             for k, v in res["results"].items():
-                print(f"  {k:40s} {v['ms']:8.3f} ms   rel err {v['rel_err']:.2e}")
+                print(f"  {k:52s} GPU {v['gpu_ms']:7.3f} ms  eager call {v['eager_call_ms']:7.3f} ms  "
+                      f"rel err {v['rel_err']:.2e}")
 
 
 if __name__ == "__main__":

@@ -124,6 +124,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=64, help="distinct request bodies per workload")
     p.add_argument("--jobs", type=int, default=1, help="archives built at once")
     p.add_argument("--build-only", action="store_true", help="build the archives into --work and stop")
+    p.add_argument("--load-timeout", type=float, default=420.0, help="seconds for every deployment to load")
     p.add_argument("--commit", default="unknown")
     p.add_argument("--smoke", action="store_true", help="CPU, SmolLM2, tiny requests, 1 s points")
     args = p.parse_args()
@@ -187,22 +188,30 @@ def main() -> None:
         start = time.monotonic()
         for _, _, name, mar, workers in deployments:
             server.register(mar, workers, name=name, synchronous=False)
+        ready = set()
         for _, _, name, _, workers in deployments:
-            server.wait_ready(name, workers)
-            log(f"{name}: {workers} worker(s) ready after {time.monotonic() - start:.0f} s")
+            try:  # one deployment that does not come up is reported and skipped, not waited on forever
+                server.wait_ready(name, workers, timeout=max(60.0, args.load_timeout - (time.monotonic() - start)))
+                ready.add(name)
+                log(f"{name}: {workers} worker(s) ready after {time.monotonic() - start:.0f} s")
+            except TimeoutError as e:
+                log(f"SKIPPED {e}")
         for w in workloads.values():
             spec = specs[w.name]
             bodies = TextMaker(tokenizers[w.name], seed=1).requests(w, args.requests)
             per_body = [request_flops(w, spec, tokenizers[w.name], b) for b in bodies]
             encoded = [json.dumps(b).encode() for b in bodies]
             for system, attention, name, _, workers in deployments:
-                if not name.startswith(f"{system}_{w.model}_"):
+                if not name.startswith(f"{system}_{w.model}_") or name not in ready:
                     continue
                 sweep(f"{server.inference}/predictions/{name}", encoded, LEVELS[:2] if args.smoke else LEVELS,
                       args.warmup, args.duration,
                       on_point=lambda pt: record(system, attention, w.name, pt, mean_flops(pt, per_body), workers))
     finally:
         server.stop()
+        for name in ("ts_log.log", "model_log.log"):  # the server's own account, next to the records
+            if (path := server_dir / "logs" / name).exists():
+                (out / f"{stamp}_{name.replace('.log', '.txt')}").write_bytes(path.read_bytes()[-500_000:])
     log(f"wrote {results}")
 
 

@@ -38,7 +38,7 @@ def http(method: str, url: str, body: bytes | None = None, headers: dict | None 
 
 class TorchServe:
     def __init__(self, workdir: Path, model_store: Path):
-        self.workdir, self.model_store = workdir, model_store
+        self.workdir, self.model_store = workdir.resolve(), model_store.resolve()  # the server runs in workdir
         inference, management, metrics, grpc_i, grpc_m, workers = free_ports(6)
         self.inference = f"http://127.0.0.1:{inference}"
         self.management = f"http://127.0.0.1:{management}"
@@ -99,7 +99,16 @@ class TorchServe:
                  + (f"&model_name={name}" if name else ""))
         status, body = http("POST", f"{self.management}/models?{query}", timeout=600)
         assert status in (200, 202), body
+        if not synchronous and workers > 1:
+            # TorchServe 0.12 starts only the archive's own minWorkers when registering asynchronously
+            # (found on the H200: a 4-worker peer stayed at 1); scaling afterwards starts the rest.
+            self.scale(name or Path(mar).stem, workers)
         return json.loads(body)
+
+    def scale(self, model: str, workers: int, synchronous: bool = False) -> None:
+        status, body = http("PUT", f"{self.management}/models/{model}?min_worker={workers}&max_worker={workers}"
+                                   f"&synchronous={str(synchronous).lower()}", timeout=600)
+        assert status in (200, 202), body
 
     def wait_ready(self, model: str, workers: int, timeout: float = 900) -> None:
         """Block until `model` has `workers` READY workers; TimeoutError (with the log tail) if not."""
