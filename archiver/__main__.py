@@ -19,13 +19,15 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--response-timeout", type=int, default=120, help="seconds before TorchServe restarts a worker")
     b.add_argument("--attention", choices=["reference", "triton"], default="reference",
                    help="attention implementation compiled into the graph (triton: CUDA builds only)")
+    b.add_argument("--batch-delay-ms", type=int, default=1,
+                   help="longest wait for more requests to batch (the task's max_batch sets how many)")
     args = parser.parse_args(argv)
 
     from archiver.build import build
 
     try:
         build(args.checkpoint, args.task, args.model_name, args.export_path, args.device, args.workers,
-              args.response_timeout, args.attention)
+              args.response_timeout, args.attention, args.batch_delay_ms)
     except (SpecError, FileNotFoundError) as e:
         print(f"slm-archiver: error: {e}", file=sys.stderr)
         return 2

@@ -26,13 +26,15 @@ def progress(message: str) -> None:
     print(f"[archiver {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def model_config(device: str, workers: int, response_timeout: int) -> dict:
-    """TorchServe's per-model settings (model-config.yaml)."""
+def model_config(device: str, workers: int, response_timeout: int, batch: int = 1, batch_delay_ms: int = 1) -> dict:
+    """TorchServe's per-model settings (model-config.yaml). A worker takes up to `batch` queued
+    requests at once and waits at most `batch_delay_ms` for more: with 1 ms, what is queued goes
+    at once (TorchServe 0.12 stops collecting after one extra request when the delay is 0)."""
     return {
         "minWorkers": workers,
         "maxWorkers": workers,
-        "batchSize": 1,
-        "maxBatchDelay": 0,
+        "batchSize": batch,
+        "maxBatchDelay": batch_delay_ms,
         "responseTimeout": response_timeout,
         "deviceType": "gpu" if device.startswith("cuda") else "cpu",
     }
@@ -40,7 +42,7 @@ def model_config(device: str, workers: int, response_timeout: int) -> dict:
 
 def build(
     checkpoint: str, task_path: str, model_name: str, export_path: str, device: str = "cpu",
-    workers: int = 1, response_timeout: int = 120, attention: str = "reference",
+    workers: int = 1, response_timeout: int = 120, attention: str = "reference", batch_delay_ms: int = 1,
 ) -> Path:
     from model_archiver.model_archiver_config import ModelArchiverConfig
     from model_archiver.model_packaging import generate_model_archive
@@ -58,7 +60,8 @@ def build(
             src = Path(importlib.util.find_spec(name).submodule_search_locations[0])
             shutil.copytree(src, stage / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         config = Path(tmp) / "model-config.yaml"
-        config.write_text(yaml.safe_dump(model_config(device, workers, response_timeout), sort_keys=False))
+        settings = model_config(device, workers, response_timeout, task.max_batch, batch_delay_ms)
+        config.write_text(yaml.safe_dump(settings, sort_keys=False))
         progress(f"writing {export / (model_name + '.mar')}")
         generate_model_archive(ModelArchiverConfig(
             model_name=model_name,

@@ -1,25 +1,32 @@
 #!/usr/bin/env bash
 # The H200 steps of bench/README.md, one per device call (each call may run 10 minutes; archives
 # built into .bench-work/ survive between calls while the machine stays warm).
-#   bash bench/h200.sh build   # archives for W1/W2/W3 (slm reference + triton, hf, noop), 4 at a time
+#   bash bench/h200.sh build   # archives for W1/W2/W3 ($VARIANTS below, hf, noop), 5 at a time
 #   bash bench/h200.sh check   # GPU tests and the attention kernel bench
 #   bash bench/h200.sh bench   # the measured run: noop ceiling, sweeps, report, PNGs
+#   bash bench/h200.sh levers  # issue 6: slm workers and cross-request batching, W1 and W2
 #   bash bench/h200.sh profile # where one request's time goes, per built slm archive
 # Needs: carry [".devbundle", "bench/assets"]; $OUT (the device tool's output folder); $COMMIT.
 set -u
 source .devbundle/setup.sh
 WORK=.bench-work
 COMMIT=${COMMIT:-unknown}
+# every slm archive the steps below use: attention:workers:batch (the workers do not need a build)
+VARIANTS=reference:1:1,triton:1:1,triton:1:8
 ARGS=(--device cuda --tokenizer bench/assets/tokenizer.json --work "$WORK" --commit "$COMMIT")
 
 case "$1" in
 build)
-    python3 -m bench.run "${ARGS[@]}" --jobs 4 --build-only ;;
+    python3 -m bench.run "${ARGS[@]}" --jobs 5 --build-only --slm "$VARIANTS" ;;
 check)
     python3 -m pytest -q -s tests/test_gpu.py -p no:cacheprovider
     python3 -m bench.kernels_bench --out "$OUT/kernels_bench.json" ;;
 bench)
     python3 -m bench.run "${ARGS[@]}" --out "$OUT" --warmup 2 --duration 4 "${@:2}"
+    python3 -m bench.report "$OUT"/*_bench.jsonl --png-dir "$OUT" ;;
+levers)
+    python3 -m bench.run "${ARGS[@]}" --out "$OUT" --warmup 1 --duration 3 --systems slm --workloads W1,W2 \
+        --slm triton:1:1,triton:2:1,triton:4:1,triton:1:8,triton:2:8 "${@:2}"
     python3 -m bench.report "$OUT"/*_bench.jsonl --png-dir "$OUT" ;;
 profile)
     for mar in "$WORK"/model-store/slm_*.mar; do

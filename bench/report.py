@@ -31,8 +31,13 @@ def fmt(x: float, digits: int = 1) -> str:
 
 
 def label(r: dict) -> str:
-    """"slm (triton)", "slm (reference)", "hf", "noop"; records from before the attention field say "slm"."""
-    return r["system"] + (f" ({r['attention']})" if r.get("attention") else "")
+    """"slm (triton)", "slm (triton, ×2 workers, batch 8)", "hf" (its worker counts share one row:
+    the best is its capacity), "noop"; records from before the attention field say "slm"."""
+    if r["system"] != "slm" or not r.get("attention"):
+        return r["system"]
+    extra = ([f"×{r['workers']} workers"] if r["workers"] > 1 else []) + (
+        [f"batch {r['batch']}"] if r.get("batch", 1) > 1 else [])
+    return f"slm ({', '.join([r['attention'], *extra])})"
 
 
 def table(records: list[dict]) -> str:

@@ -116,8 +116,9 @@ def main() -> None:
     p.add_argument("--out", default=str(BENCH / "results"))
     p.add_argument("--workloads", default="W1,W2,W3")
     p.add_argument("--systems", default="slm,hf")
-    p.add_argument("--attention", help="slm builds to measure, comma-separated: reference, triton "
-                                       "(default: both on cuda, reference on cpu)")
+    p.add_argument("--slm", help="slm variants to measure, comma-separated ATTENTION:WORKERS:BATCH, e.g. "
+                                 "triton:2:8 (BATCH: score requests per graph call; beam models use 1). "
+                                 "Default: reference:1:1,triton:1:1 on cuda, reference:1:1 on cpu")
     p.add_argument("--hf-workers", default="1,4", help="peer worker counts to try; the best is kept")
     p.add_argument("--warmup", type=float, default=2.0)
     p.add_argument("--duration", type=float, default=6.0)
@@ -135,28 +136,33 @@ def main() -> None:
         d.mkdir(parents=True, exist_ok=True)
     workloads, checkpoints, tokenizers, specs = plan(args, work)
     systems = args.systems.split(",")
-    attentions = (args.attention or ("reference,triton" if args.device == "cuda" else "reference")).split(",")
+    variants = [tuple(v.split(":")) for v in (args.slm or ("reference:1:1,triton:1:1" if args.device == "cuda"
+                                                            else "reference:1:1")).split(",")]
     hf_workers = [int(n) for n in args.hf_workers.split(",")]
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H%M%SZ")
     results = out / f"{stamp}_{'smoke' if args.smoke else 'bench'}.jsonl"
     meta = {"commit": args.commit, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "torch": torch.__version__, "date": stamp}
 
-    # One archive per model (W2 and W3 share one) and system; the slm one per attention choice.
-    # A deployment is (system, attention, served name, archive, workers).
+    # One archive per model (W2 and W3 share one) and build variant; deployments choose workers.
     deployments, builds = [], {}
     for model, w in {w.model: w for w in workloads.values()}.items():
         if "slm" in systems:
-            for attention in attentions:
-                name = f"slm_{model}_{attention}"
-                if argv := slm_build(name, checkpoints[w.name], w.task, store, args.device, attention, work):
-                    builds[name] = argv
-                deployments.append(("slm", attention, name, f"{name}.mar", 1))
+            for attention, workers, batch in variants:
+                batch = int(batch) if w.task["task"] == "score" else 1
+                mar = f"slm_{model}_{attention}_b{batch}"
+                task = {**w.task, "max_batch": batch}
+                if mar not in builds and (argv := slm_build(mar, checkpoints[w.name], task, store, args.device,
+                                                            attention, work)):
+                    builds[mar] = argv
+                d = Deployment("slm", f"{mar}_x{workers}", f"{mar}.mar", int(workers), attention, batch)
+                if d not in deployments:
+                    deployments.append(d)
         if "hf" in systems:
             archive_handler(f"hf_{model}", BENCH / "peer_handler.py",
                             {"peer.json": {"checkpoint": str(checkpoints[w.name]), "task": w.task}},
                             store, args.device, work)
-            deployments += [("hf", None, f"hf_{model}_x{n}", f"hf_{model}.mar", n) for n in hf_workers]
+            deployments += [Deployment("hf", f"hf_{model}_x{n}", f"hf_{model}.mar", n) for n in hf_workers]
     archive_handler("noop", BENCH / "noop_handler.py", {}, store, "cpu", work)
     build_all(builds, args.jobs, work)
     if args.build_only:
@@ -166,34 +172,33 @@ def main() -> None:
     server_dir.mkdir()
     server = TorchServe(server_dir, store).start()
 
-    def record(system: str, attention: str | None, workload: str, point, flops_per_request: float,
-               workers: int) -> None:
-        rec = {"system": system, "attention": attention, "workload": workload, "workers": workers,
-               **dataclasses.asdict(point), **meta, "flops_per_request": flops_per_request,
+    def record(d: Deployment, workload: str, point, flops_per_request: float) -> None:
+        rec = {"system": d.system, "attention": d.attention, "batch": d.batch, "workload": workload,
+               "workers": d.workers, **dataclasses.asdict(point), **meta, "flops_per_request": flops_per_request,
                # every FLOP is bf16 until an FP8 build exists, so the two figures agree
                "mfu_effective": flops.mfu(point.qps, flops_per_request), "mfu_bf16": flops.mfu(point.qps, flops_per_request)}
         rec.pop("request_indices")
         with results.open("a") as f:
             f.write(json.dumps(rec) + "\n")
-        log(f"{system:4s} {attention or '':9s} {workload} workers={workers} c={point.concurrency:3d}: "
-            f"{point.qps:8.1f} req/s mean {point.mean_ms:7.1f} ms p99 {point.p99_ms:7.1f} ms errors {point.errors}")
+        log(f"{d.name:34s} {workload} c={point.concurrency:3d}: {point.qps:8.1f} req/s mean {point.mean_ms:7.1f} ms "
+            f"p99 {point.p99_ms:7.1f} ms errors {point.errors}")
 
     try:
         server.register("noop.mar")
         for c in (1, 16, 64):
-            record("noop", None, "ceiling", measure(f"{server.inference}/predictions/noop", [b"{}"], c, 1.0,
-                                                    args.duration), 0.0, 1)
+            record(Deployment("noop", "noop", "noop.mar", 1), "ceiling",
+                   measure(f"{server.inference}/predictions/noop", [b"{}"], c, 1.0, args.duration), 0.0)
         # Every deployment loads at once (their workers start in parallel) and stays loaded; idle
         # workers wait on their sockets, and one deployment is measured at a time.
         start = time.monotonic()
-        for _, _, name, mar, workers in deployments:
-            server.register(mar, workers, name=name, synchronous=False)
+        for d in deployments:
+            server.register(d.mar, d.workers, name=d.name, synchronous=False)
         ready = set()
-        for _, _, name, _, workers in deployments:
+        for d in deployments:
             try:  # one deployment that does not come up is reported and skipped, not waited on forever
-                server.wait_ready(name, workers, timeout=max(60.0, args.load_timeout - (time.monotonic() - start)))
-                ready.add(name)
-                log(f"{name}: {workers} worker(s) ready after {time.monotonic() - start:.0f} s")
+                server.wait_ready(d.name, d.workers, timeout=max(60.0, args.load_timeout - (time.monotonic() - start)))
+                ready.add(d)
+                log(f"{d.name}: {d.workers} worker(s) ready after {time.monotonic() - start:.0f} s")
             except TimeoutError as e:
                 log(f"SKIPPED {e}")
         for w in workloads.values():
@@ -201,18 +206,29 @@ def main() -> None:
             bodies = TextMaker(tokenizers[w.name], seed=1).requests(w, args.requests)
             per_body = [request_flops(w, spec, tokenizers[w.name], b) for b in bodies]
             encoded = [json.dumps(b).encode() for b in bodies]
-            for system, attention, name, _, workers in deployments:
-                if not name.startswith(f"{system}_{w.model}_") or name not in ready:
-                    continue
-                sweep(f"{server.inference}/predictions/{name}", encoded, LEVELS[:2] if args.smoke else LEVELS,
-                      args.warmup, args.duration,
-                      on_point=lambda pt: record(system, attention, w.name, pt, mean_flops(pt, per_body), workers))
+            for d in deployments:
+                if d.name.startswith(f"{d.system}_{w.model}_") and d in ready:
+                    sweep(f"{server.inference}/predictions/{d.name}", encoded, LEVELS[:2] if args.smoke else LEVELS,
+                          args.warmup, args.duration,
+                          on_point=lambda pt: record(d, w.name, pt, mean_flops(pt, per_body)))
     finally:
         server.stop()
         for name in ("ts_log.log", "model_log.log"):  # the server's own account, next to the records
             if (path := server_dir / "logs" / name).exists():
                 (out / f"{stamp}_{name.replace('.log', '.txt')}").write_bytes(path.read_bytes()[-500_000:])
     log(f"wrote {results}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Deployment:
+    """One registered model: `workers` workers of archive `mar`, served as `name`."""
+
+    system: str  # "slm", "hf" or "noop"
+    name: str
+    mar: str
+    workers: int
+    attention: str | None = None  # slm: reference | triton
+    batch: int = 1  # slm score: requests per graph call
 
 
 def mean_flops(point, per_body: list[int]) -> float:

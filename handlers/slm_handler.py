@@ -6,7 +6,7 @@ next to the slm_core/ and kernels/ sources it imports (the worker's PYTHONPATH h
 import logging
 
 from slm_core.package import load_package
-from slm_core.protocol import respond
+from slm_core.protocol import respond_batch
 
 log = logging.getLogger(__name__)
 PHRASES = {200: "OK", 400: "Bad Request", 500: "Internal Server Error"}
@@ -23,13 +23,13 @@ class SlmHandler:
 
     def handle(self, data: list[dict], ctx) -> list[bytes]:
         replies = []
-        for i, request in enumerate(data):
-            reply = respond(self.engine, request)
+        for i, reply in enumerate(respond_batch(self.engine, data)):
             ctx.set_response_status(reply.status, PHRASES.get(reply.status, ""), i)
             ctx.set_response_content_type(i, "application/json")
             if reply.stats is not None and ctx.metrics is not None:
                 ctx.metrics.add_counter("SlmTexts", reply.stats.texts)
                 ctx.metrics.add_counter("SlmTokens", reply.stats.tokens)
                 ctx.metrics.add_time("SlmGraphTime", reply.stats.graph_ms)
+                ctx.metrics.add_counter("SlmBatchedRequests", int(reply.stats.batch > 1))  # shared a graph call
             replies.append(reply.body)
         return replies

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 import torch
 
 from slm_core.checkpoint import Checkpoint, load_checkpoint
+from slm_core.errors import InputError
 from slm_core.graphs import BeamGraph, ScoreGraph
 from slm_core.model import Transformer
 from slm_core.spec import PRECISIONS, RuntimeSpec, TaskSpec
@@ -45,9 +46,8 @@ class Engine:
         self.task = task
         self.device = torch.device(runtime.device)
         pin = self.device.type == "cuda"
-        cap = task.max_texts * task.max_text_tokens if task.task == "score" else task.max_prompt_tokens
-        self._ids = torch.empty(cap, dtype=torch.int32, pin_memory=pin)  # packed token ids
-        self._cu = torch.empty(task.max_texts + 1, dtype=torch.int32, pin_memory=pin)  # cu_seqlens
+        self._ids = torch.empty(task.call_tokens, dtype=torch.int32, pin_memory=pin)  # packed token ids
+        self._cu = torch.empty(task.call_texts + 1, dtype=torch.int32, pin_memory=pin)  # cu_seqlens
         self._lock = threading.Lock()
 
     @classmethod
@@ -67,14 +67,46 @@ class Engine:
         return self.run_beam(prompt)[0]
 
     def run_score(self, texts: object) -> tuple[list[list[float]], "CallStats"]:
+        (result,) = self.run_score_batch([texts])
+        if isinstance(result, InputError):
+            raise result
+        return result
+
+    def run_score_batch(self, requests: list[object]) -> list["tuple[list[list[float]], CallStats] | InputError"]:
+        """Up to max_batch score requests (each a list of texts) in one graph call: their texts are
+        packed one after another, as if one request. Per request, in order: (rows, stats) or the
+        InputError that kept it out of the call; the others are unaffected."""
         self._expect("score")
+        if len(requests) > self.task.max_batch:
+            raise ValueError(f"{len(requests)} requests exceed max_batch={self.task.max_batch}")
+        ids_np, cu_np = self._ids.numpy(), self._cu.numpy()
+        results: list = []
         with self._lock, torch.inference_mode():
-            n, t = self.tokenizer.pack_texts(texts, self._ids.numpy(), self._cu.numpy())
+            n = t = 0
+            spans = []  # (first text, texts, tokens) of each packed request
+            for texts in requests:
+                try:
+                    ni, ti = self.tokenizer.pack_texts(texts, ids_np[t:], cu_np[n:])
+                except InputError as e:
+                    results.append(e)
+                    continue
+                cu_np[n : n + ni + 1] += t  # its boundaries, shifted behind the requests before it
+                spans.append((n, ni, ti))
+                results.append(None)
+                n, t = n + ni, t + ti
+            if not spans:
+                return results
             start = time.perf_counter()
             ids = self._ids[:t].to(self.device, non_blocking=True)
             cu = self._cu[: n + 1].to(self.device, non_blocking=True)
             rows = self.graph(ids, cu).cpu().tolist()
-            return rows, CallStats(texts=n, tokens=t, graph_ms=(time.perf_counter() - start) * 1e3)
+            graph_ms = (time.perf_counter() - start) * 1e3
+        it = iter(spans)
+        for i, result in enumerate(results):
+            if result is None:
+                first, ni, ti = next(it)
+                results[i] = rows[first : first + ni], CallStats(ni, ti, graph_ms, batch=len(spans))
+        return results
 
     def run_beam(self, prompt: object) -> tuple[list[dict[str, Any]], "CallStats"]:
         self._expect("beam")
@@ -97,8 +129,10 @@ class Engine:
 
 @dataclass(frozen=True)
 class CallStats:
-    """What one request cost: texts and prompt tokens in, milliseconds from copy-in to results on host."""
+    """What one request cost: texts and prompt tokens in, milliseconds from copy-in to results on
+    host of the graph call that served it, and how many requests that call served."""
 
     texts: int
     tokens: int
     graph_ms: float
+    batch: int = 1

@@ -17,8 +17,8 @@ def example_inputs(task: TaskSpec, device: torch.device | str = "cpu") -> tuple[
 
 def dynamic_shapes(task: TaskSpec) -> tuple[dict[int, Dim], ...]:
     if task.task == "score":
-        tokens = Dim("tokens", min=1, max=task.max_texts * task.max_text_tokens)
-        boundaries = Dim("texts_plus_one", min=2, max=task.max_texts + 1)
+        tokens = Dim("tokens", min=1, max=task.call_tokens)
+        boundaries = Dim("texts_plus_one", min=2, max=task.call_texts + 1)
         return {0: tokens}, {0: boundaries}
     return ({0: Dim("prompt_tokens", min=1, max=task.max_prompt_tokens)},)
 

@@ -98,8 +98,8 @@ def build_package(
 def signature(task: TaskSpec) -> dict[str, list[str]]:
     if task.task == "score":
         return {
-            "inputs": [f"input_ids int32 [tokens <= {task.max_texts * task.max_text_tokens}]",
-                       f"cu_seqlens int32 [texts + 1 <= {task.max_texts + 1}]"],
+            "inputs": [f"input_ids int32 [tokens <= {task.call_tokens}]",
+                       f"cu_seqlens int32 [texts + 1 <= {task.call_texts + 1}]"],
             "outputs": [f"probs float32 [texts, {len(task.labels)}]"],
         }
     w, n = task.beam_width, task.new_tokens
@@ -120,6 +120,11 @@ def check_compiled(eager: Engine, compiled: Engine) -> dict[str, Any]:
         for batch in ([samples[0]], samples[: task.max_texts]):
             for a, b in zip(eager.score(batch), compiled.score(batch)):
                 worst = max(worst, max(abs(x - y) for x, y in zip(a, b)))
+        if task.max_batch > 1:  # a full call of max_batch requests against each request alone in eager
+            requests = [samples[i % len(samples) :][: task.max_texts] for i in range(task.max_batch)]
+            for texts, result in zip(requests, compiled.run_score_batch(requests)):
+                for a, b in zip(eager.score(texts), result[0]):
+                    worst = max(worst, max(abs(x - y) for x, y in zip(a, b)))
     else:
         for prompt in samples[:3]:
             ref = {tuple(c["token_ids"]): c["score"] for c in eager.beam(prompt)}

@@ -74,16 +74,57 @@ def request_field(payload: Any, task: str) -> Any:
 
 def respond(engine: Engine, request: dict) -> Reply:
     """Run one TorchServe request dict end to end. Input errors -> 400; anything else -> 500 (logged)."""
+    return respond_batch(engine, [request])[0]
+
+
+def respond_batch(engine: Engine, requests: list[dict]) -> list[Reply]:
+    """The replies to a TorchServe batch, in order. Score requests share one graph call (up to the
+    task's max_batch); a bad request gets its own 400 and is left out of the call; a failure of
+    the call itself is a 500 for the requests in it, logged. Nothing here raises."""
     task = engine.task
+    replies: list[Reply | None] = [None] * len(requests)
+    values, members = [], []
+    for i, request in enumerate(requests):
+        try:
+            values.append(request_field(parse_body(request_body(request)), task.task))
+            members.append(i)
+        except InputError as e:
+            replies[i] = error(400, str(e))
+        except Exception:
+            log.exception("request failed")
+            replies[i] = error(500, "internal error while running the request")
+    if task.task == "score":
+        for start in range(0, len(values), task.max_batch):
+            _score(engine, values[start : start + task.max_batch], members[start : start + task.max_batch], replies)
+    else:
+        for value, i in zip(values, members):
+            replies[i] = _beam(engine, value)
+    return replies
+
+
+def _score(engine: Engine, values: list, members: list[int], replies: list) -> None:
     try:
-        value = request_field(parse_body(request_body(request)), task.task)
-        if task.task == "score":
-            rows, stats = engine.run_score(value)
-            return Reply(200, encode({"labels": list(task.labels), "scores": rows}), stats)
-        candidates, stats = engine.run_beam(value)
+        results = engine.run_score_batch(values)
+    except Exception:  # a bug or a device fault: these requests fail, the worker lives on
+        log.exception("score call failed")
+        for i in members:
+            replies[i] = error(500, "internal error while running the request")
+        return
+    labels = list(engine.task.labels)
+    for i, result in zip(members, results):
+        if isinstance(result, InputError):
+            replies[i] = error(400, str(result))
+        else:
+            rows, stats = result
+            replies[i] = Reply(200, encode({"labels": labels, "scores": rows}), stats)
+
+
+def _beam(engine: Engine, prompt: object) -> Reply:
+    try:
+        candidates, stats = engine.run_beam(prompt)
         return Reply(200, encode({"candidates": candidates}), stats)
     except InputError as e:
         return error(400, str(e))
-    except Exception:  # a bug or a device fault: this request fails, the worker lives on
-        log.exception("request failed")
+    except Exception:
+        log.exception("beam call failed")
         return error(500, "internal error while running the request")

@@ -138,11 +138,12 @@ class TaskSpec:
     max_prompt_tokens: int = 512
     stop: tuple[str, ...] = ()
     precision: str = "bf16"
+    max_batch: int = 1  # score requests packed into one graph call (TorchServe's batchSize)
 
     def __post_init__(self):
         if self.task not in ("score", "beam"):
             raise SpecError(f"task must be 'score' or 'beam', got {self.task!r}")
-        for name in ("max_texts", "max_text_tokens", "beam_width", "new_tokens", "max_prompt_tokens"):
+        for name in ("max_texts", "max_text_tokens", "beam_width", "new_tokens", "max_prompt_tokens", "max_batch"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise SpecError(f"task key {name!r} must be a positive integer, got {value!r}")
@@ -156,6 +157,8 @@ class TaskSpec:
                 raise SpecError(f"task key {name!r} must be a list of non-empty strings, got {list(items)!r}")
         if self.task == "score" and len(self.labels) < 2:
             raise SpecError("a score task needs at least two 'labels'")
+        if self.task == "beam" and self.max_batch != 1:
+            raise SpecError("task key 'max_batch' applies to score tasks; a beam graph runs one prompt per call")
 
     @property
     def placeholder(self) -> str:
@@ -164,6 +167,16 @@ class TaskSpec:
     @property
     def template(self) -> str:
         return self.prompt_template if self.prompt_template is not None else self.placeholder
+
+    @property
+    def call_texts(self) -> int:
+        """Texts one score graph call holds: max_batch requests of up to max_texts each."""
+        return self.max_batch * self.max_texts
+
+    @property
+    def call_tokens(self) -> int:
+        """Packed tokens one graph call holds (score: call_texts full texts; beam: the prompt)."""
+        return self.call_texts * self.max_text_tokens if self.task == "score" else self.max_prompt_tokens
 
     @property
     def max_seq_tokens(self) -> int:

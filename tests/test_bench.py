@@ -57,7 +57,7 @@ def test_harness_smoke_on_cpu(demo, tmp_path):
     store = tmp_path / "work" / "model-store"
     store.mkdir(parents=True)
     for name in ("smollm2_intent", "smollm2_complete"):  # reuse the demo's archives
-        (store / f"slm_{name}_reference.mar").symlink_to(work / "model-store" / f"{name}.mar")
+        (store / f"slm_{name}_reference_b1.mar").symlink_to(work / "model-store" / f"{name}.mar")
     out = tmp_path / "out"
     subprocess.run([sys.executable, "-m", "bench.run", "--smoke", "--device", "cpu", "--work", str(tmp_path / "work"),
                     "--out", str(out), "--duration", "3", "--warmup", "0.5", "--requests", "4", "--hf-workers", "1",

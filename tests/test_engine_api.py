@@ -59,3 +59,29 @@ def test_beam_width_must_fit_the_vocabulary(random_checkpoint):
     vocab = load_checkpoint(folder).spec.vocab_size
     with pytest.raises(SpecError, match="needs 2 \\* beam_width <= vocab size"):
         Engine.from_checkpoint(folder, task={"task": "beam", "beam_width": vocab // 2 + 1})
+
+
+def test_score_batch_packs_requests_into_one_call(random_checkpoint):
+    """max_batch requests share one graph call: each answer equals the request run alone; a bad
+    request gets its own InputError and the rest still run; more than max_batch is refused."""
+    from test_hf_equality import engine_for
+
+    ckpt = load_checkpoint(random_checkpoint("qwen2")[0])
+    engine = engine_for(ckpt, task="score", labels=["yes", "no"], max_texts=4, max_text_tokens=32, max_batch=3)
+    requests = [["search engines rank documents", "a"], ["the lazy dog " * 5], ["one", "two", "three", "four"]]
+    results = engine.run_score_batch(requests)
+    assert [r[1].batch for r in results] == [3, 3, 3]
+    assert len({r[1].graph_ms for r in results}) == 1  # one call served all three
+    for texts, (rows, stats) in zip(requests, results):
+        assert stats.texts == len(texts) and len(rows) == len(texts)
+        for row, ref in zip(rows, engine.score(texts)):
+            assert row == pytest.approx(ref, abs=1e-6)
+
+    mixed = engine.run_score_batch([["fine"], ["a"] * 5, "not a list"])
+    assert isinstance(mixed[1], InputError) and "max_texts=4" in str(mixed[1])
+    assert isinstance(mixed[2], InputError) and mixed[0][1].batch == 1
+    assert mixed[0][0][0] == pytest.approx(engine.score(["fine"])[0], abs=1e-6)
+    with pytest.raises(ValueError, match="max_batch=3"):
+        engine.run_score_batch([["a"]] * 4)
+    with pytest.raises(SpecError, match="'max_batch' applies to score"):
+        engine_for(ckpt, task="beam", beam_width=2, max_batch=2)

@@ -71,6 +71,11 @@ def test_scale_to_two_workers_both_answer(server, archives):
     log = (server.workdir / "logs" / "ts_log.log").read_text()
     served = set(re.findall(r"(W-\d+-tiny_score)_1\.0 \S+ - Backend response time", log))
     assert len(served) == 2, served
+    # The archive batches up to 3 queued requests into one graph call (max_batch: 3), as the
+    # handler's counter of requests that shared a call shows.
+    text = http("GET", f"{server.metrics}/metrics")[1].decode()
+    batched = re.findall(r'SlmBatchedRequests\{ModelName="tiny_score"[^}]*\} (\S+)', text)
+    assert batched and sum(float(v) for v in batched) > 0, batched
 
 
 def test_metrics_endpoint(server):
