@@ -130,24 +130,35 @@ def flex(q, k, v, lengths: list[int], ref) -> dict:
     return {"flex attention (compiled, block mask precomputed)": timed(fn, ref)}
 
 
-def decode(width: int, prompt: int, suffix: int, hq: int, hkv: int, d: int) -> dict:
+def decode(width: int, prompts: list[int], suffix: int, hq: int, hkv: int, d: int) -> dict:
     dev, scale = "cuda", d**-0.5
-    q = torch.randn(width, hq, d, device=dev, dtype=torch.bfloat16)
-    kp, vp = (torch.randn(prompt, hkv, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
-    ks, vs = (torch.randn(width, suffix, hkv, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
-    ref = prefix_suffix_attention_ref(q.float(), kp.float(), vp.float(), ks.float(), vs.float(), scale)
-    out = {"shape": f"W={width}, Lp={prompt}, Ls={suffix}, {hq}/{hkv} heads, d={d}", "results": {}}
+    rows, t = width * len(prompts), sum(prompts)
+    q = torch.randn(rows, hq, d, device=dev, dtype=torch.bfloat16)
+    kp, vp = (torch.randn(t, hkv, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    ks, vs = (torch.randn(rows, suffix, hkv, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    cu = torch.tensor([0] + prompts, device=dev).cumsum(0).to(torch.int32)
+    ref = prefix_suffix_attention_ref(q.float(), kp.float(), vp.float(), ks.float(), vs.float(), scale, cu)
+    out = {"shape": f"{len(prompts)} prompt(s) of {prompts} tokens x W={width}, Ls={suffix}, {hq}/{hkv} heads, d={d}",
+           "results": {}}
     r = out["results"]
     for bw, bn in ((16, 64), (8, 64), (32, 32)):
-        fn = lambda: prefix_suffix_attention(q, kp, vp, ks, vs, scale, bw, bn)  # noqa: E731
+        fn = lambda: prefix_suffix_attention(q, kp, vp, ks, vs, scale, cu, bw, bn)  # noqa: E731
         r[f"triton prefix {bw}x{bn}"] = timed(fn, ref)
-    fn = lambda: prefix_suffix_attention_ref(q, kp, vp, ks, vs, scale)  # noqa: E731
+    fn = lambda: prefix_suffix_attention_ref(q, kp, vp, ks, vs, scale, cu)  # noqa: E731
     r["reference"] = timed(fn, ref)
 
-    def concat_sdpa():  # what a paged/copied cache does: the prompt K/V per beam, then SDPA
-        k = torch.cat([kp.expand(width, -1, -1, -1), ks], 1).transpose(1, 2)
-        v = torch.cat([vp.expand(width, -1, -1, -1), vs], 1).transpose(1, 2)
-        return F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)[:, :, 0]
+    # What a paged/copied cache does: each beam's prompt K/V copied next to its suffix, then SDPA.
+    index = torch.repeat_interleave(torch.arange(len(prompts), device=dev), width)
+    lmax = max(prompts)
+    pos = torch.arange(lmax, device=dev)
+    key_rows = (cu[:-1, None] + pos).clamp(max=t - 1)[index]  # [rows, lmax]
+    valid = torch.cat([pos[None, :] < torch.tensor(prompts, device=dev)[index][:, None],
+                       torch.ones(rows, suffix, dtype=torch.bool, device=dev)], 1)[:, None, None, :]
+
+    def concat_sdpa():
+        k = torch.cat([kp[key_rows], ks], 1).transpose(1, 2)
+        v = torch.cat([vp[key_rows], vs], 1).transpose(1, 2)
+        return F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=valid, enable_gqa=True)[:, :, 0]
 
     r["SDPA over prompt K/V copied per beam"] = timed(concat_sdpa, ref)
     return out
@@ -162,8 +173,9 @@ def main() -> None:
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
         "W1 prefill": prefill([rng.randint(64, 160) for _ in range(15)], 16, 8, 128),
         "W3 prefill": prefill([rng.randint(384, 512)], 14, 2, 64),
-        **{f"W3 decode step {s}": decode(100, 448, s, 14, 2, 64) for s in (1, 4)},
-        "W=400 decode": decode(400, 100, 4, 14, 2, 64),
+        **{f"W3 decode step {s}": decode(100, [448], s, 14, 2, 64) for s in (1, 4)},
+        "W=400 decode": decode(400, [100], 4, 14, 2, 64),
+        "W3 decode, 4 prompts in one call": decode(100, [384, 512, 401, 450], 3, 14, 2, 64),
     }
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)

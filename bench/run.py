@@ -117,7 +117,7 @@ def main() -> None:
     p.add_argument("--workloads", default="W1,W2,W3")
     p.add_argument("--systems", default="slm,hf")
     p.add_argument("--slm", help="slm variants to measure, comma-separated ATTENTION:WORKERS:BATCH, e.g. "
-                                 "triton:2:8 (BATCH: score requests per graph call; beam models use 1). "
+                                 "triton:2:8 (BATCH: requests per graph call). "
                                  "Default: reference:1:1,triton:1:1 on cuda, reference:1:1 on cpu")
     p.add_argument("--hf-workers", default="1,4", help="peer worker counts to try; the best is kept")
     p.add_argument("--warmup", type=float, default=2.0)
@@ -149,7 +149,7 @@ def main() -> None:
     for model, w in {w.model: w for w in workloads.values()}.items():
         if "slm" in systems:
             for attention, workers, batch in variants:
-                batch = int(batch) if w.task["task"] == "score" else 1
+                batch = int(batch)
                 mar = f"slm_{model}_{attention}_b{batch}"
                 task = {**w.task, "max_batch": batch}
                 if mar not in builds and (argv := slm_build(mar, checkpoints[w.name], task, store, args.device,

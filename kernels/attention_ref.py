@@ -56,28 +56,36 @@ def prefix_suffix_attention_ref(
     k_suffix: torch.Tensor,
     v_suffix: torch.Tensor,
     scale: float,
+    prefix_cu: torch.Tensor,
 ) -> torch.Tensor:
-    """One decode step of W beams that share a prompt.
+    """One decode step of the beams of B prompts, each prompt's W beams sharing its prompt K/V.
 
-    q: [W, Hq, D] (each beam's newest token); k_prefix, v_prefix: [Lp, Hkv, D], the prompt K/V
-    stored once for all beams; k_suffix, v_suffix: [W, S, Hkv, D], each beam's own generated tokens
-    (the newest one included). All prefix and suffix positions are visible to the query. The two
-    parts share one softmax; only their scores are joined, never their K/V. Returns [W, Hq, D].
+    q: [B*W, Hq, D] (each beam's newest token; prompt b's beams are rows b*W .. b*W+W-1);
+    k_prefix, v_prefix: [T, Hkv, D], the B prompts' K/V packed once (no beam dimension);
+    prefix_cu: [B+1] int32, prompt b's K/V are rows prefix_cu[b] .. prefix_cu[b+1]-1;
+    k_suffix, v_suffix: [B*W, S, Hkv, D], each beam's own generated tokens (the newest included).
+    A beam sees all of its prompt and all of its suffix, in one softmax; prefix and suffix K/V
+    are never joined. Returns [B*W, Hq, D].
     """
-    w, hq, d = q.shape
-    lp, hkv, _ = k_prefix.shape
+    rows, hq, d = q.shape
+    t, hkv, _ = k_prefix.shape
     s_len = k_suffix.shape[1]
     g = hq // hkv
-    # Prefix: all beams × the query group of one kv head form M against the shared prompt K/V.
-    q_pre = _to_layout(q.view(w, hkv, g, d), (1, 0, 2, 3)).view(hkv, w * g, d)
-    s_pre = torch.bmm(q_pre, _to_layout(k_prefix, (1, 2, 0))).view(hkv, w, g, lp)
+    # Prefix: all beams × the query group of one kv head form M against the packed prompt K/V;
+    # a beam's scores outside its own prompt are masked.
+    q_pre = _to_layout(q.view(rows, hkv, g, d), (1, 0, 2, 3)).view(hkv, rows * g, d)
+    s_pre = torch.bmm(q_pre, _to_layout(k_prefix, (1, 2, 0))).view(hkv, rows, g, t)
+    prompt = torch.arange(rows, device=q.device) // (rows // (prefix_cu.shape[0] - 1))  # [B*W]
+    key = torch.arange(t, device=q.device)
+    own = (key[None, :] >= prefix_cu[prompt][:, None]) & (key[None, :] < prefix_cu[prompt + 1][:, None])
+    s_pre = s_pre.masked_fill(~own[None, :, None, :], float("-inf"))
     # Suffix: each beam against its own tokens.
-    q_suf = q.float().reshape(w * hkv, g, d)
-    k_suf = _to_layout(k_suffix, (0, 2, 3, 1)).view(w * hkv, d, s_len)
-    s_suf = _to_layout(torch.bmm(q_suf, k_suf).view(w, hkv, g, s_len), (1, 0, 2, 3))  # [Hkv, W, G, S]
-    p = torch.softmax(torch.cat([s_pre, s_suf], dim=-1) * scale, dim=-1)  # one softmax over Lp + S
-    o_pre = torch.bmm(_to_layout(p[..., :lp], (0, 1, 2, 3)).view(hkv, w * g, lp), _to_layout(v_prefix, (1, 0, 2)))
-    p_suf = _to_layout(p[..., lp:], (1, 0, 2, 3)).view(w * hkv, g, s_len)
-    o_suf = torch.bmm(p_suf, _to_layout(v_suffix, (0, 2, 1, 3)).view(w * hkv, s_len, d))  # [W*Hkv, G, D]
-    o = _to_layout(o_pre.view(hkv, w, g, d), (1, 0, 2, 3)) + o_suf.view(w, hkv, g, d)
-    return o.view(w, hq, d).to(q.dtype)
+    q_suf = q.float().reshape(rows * hkv, g, d)
+    k_suf = _to_layout(k_suffix, (0, 2, 3, 1)).view(rows * hkv, d, s_len)
+    s_suf = _to_layout(torch.bmm(q_suf, k_suf).view(rows, hkv, g, s_len), (1, 0, 2, 3))  # [Hkv, R, G, S]
+    p = torch.softmax(torch.cat([s_pre, s_suf], dim=-1) * scale, dim=-1)  # one softmax over T + S
+    o_pre = torch.bmm(_to_layout(p[..., :t], (0, 1, 2, 3)).view(hkv, rows * g, t), _to_layout(v_prefix, (1, 0, 2)))
+    p_suf = _to_layout(p[..., t:], (1, 0, 2, 3)).view(rows * hkv, g, s_len)
+    o_suf = torch.bmm(p_suf, _to_layout(v_suffix, (0, 2, 1, 3)).view(rows * hkv, s_len, d))  # [R*Hkv, G, D]
+    o = _to_layout(o_pre.view(hkv, rows, g, d), (1, 0, 2, 3)) + o_suf.view(rows, hkv, g, d)
+    return o.view(rows, hq, d).to(q.dtype)

@@ -1,9 +1,10 @@
 """Shared-prefix beam decode attention in Triton, and its wrapper.
 
-W beams each attend over the prompt K/V stored once ([Lp, Hkv, D]) plus their own suffix
-([W, S, Hkv, D]) in one FP32 online softmax, without concatenating anything. One program takes
-BLOCK_W beams × the G query heads of one kv head as its M rows, so each prompt K/V tile is read
-once per group of beams (the Hydragen / cascade-attention idea). Reference:
+The W beams of each of B prompts attend over their prompt's K/V, stored once in a packed
+[T, Hkv, D] (prompt b at rows cu[b]..cu[b+1]-1), plus their own suffix ([B*W, S, Hkv, D]) in one
+FP32 online softmax, without concatenating anything. One program takes BLOCK_W beams of one
+prompt × the G query heads of one kv head as its M rows, so each prompt K/V tile is read once per
+group of beams (the Hydragen / cascade-attention idea). Reference:
 kernels.attention_ref.prefix_suffix_attention_ref.
 
 Status: as kernels/packed_attention.py.
@@ -19,20 +20,23 @@ from kernels.online_softmax import online_softmax_block
 
 @triton.jit
 def _prefix_attention_kernel(
-    q_ptr, kp_ptr, vp_ptr, ks_ptr, vs_ptr, o_ptr, scale, width, prefix_len,
+    q_ptr, kp_ptr, vp_ptr, ks_ptr, vs_ptr, o_ptr, cu_ptr, scale, width,
     stride_qw, stride_qh, stride_kpt, stride_kph, stride_vpt, stride_vph,
     stride_ksw, stride_kss, stride_ksh, stride_vsw, stride_vss, stride_vsh, stride_ow, stride_oh,
     SUFFIX: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    w_block, kv_head = tl.program_id(0), tl.program_id(1)
-    # Row r: beam w_block*BLOCK_W + r // GROUP_PAD, query head kv_head*GROUP + r % GROUP_PAD (the group
-    # is padded to a power of two: 7 query heads per kv head in Qwen2.5-0.5B, 3 in SmolLM2).
+    w_block, kv_head, prompt = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start = tl.load(cu_ptr + prompt)  # this prompt's K/V rows in the packed prefix
+    prefix_len = tl.load(cu_ptr + prompt + 1) - start
+    # Row r: beam w_block*BLOCK_W + r // GROUP_PAD of this prompt, query head kv_head*GROUP + r % GROUP_PAD
+    # (the group is padded to a power of two: 7 query heads per kv head in Qwen2.5-0.5B, 3 in SmolLM2).
     rows = tl.arange(0, BLOCK_W * GROUP_PAD)
-    beam = w_block * BLOCK_W + rows // GROUP_PAD
+    local = w_block * BLOCK_W + rows // GROUP_PAD
+    beam = prompt * width + local
     head = kv_head * GROUP + rows % GROUP_PAD
     dims = tl.arange(0, HEAD_DIM)
-    ok = (beam < width) & (rows % GROUP_PAD < GROUP)
+    ok = (local < width) & (rows % GROUP_PAD < GROUP)
     q = tl.load(q_ptr + beam[:, None] * stride_qw + head[:, None] * stride_qh + dims[None, :], mask=ok[:, None],
                 other=0.0)
     m_i = tl.full([BLOCK_W * GROUP_PAD], float("-inf"), tl.float32)
@@ -41,10 +45,10 @@ def _prefix_attention_kernel(
     for n0 in range(0, prefix_len, BLOCK_N):  # the shared prompt: one K/V tile for all rows
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < prefix_len
-        k = tl.load(kp_ptr + cols[:, None] * stride_kpt + kv_head * stride_kph + dims[None, :], mask=col_ok[:, None],
-                    other=0.0)
-        v = tl.load(vp_ptr + cols[:, None] * stride_vpt + kv_head * stride_vph + dims[None, :], mask=col_ok[:, None],
-                    other=0.0)
+        k = tl.load(kp_ptr + (start + cols)[:, None] * stride_kpt + kv_head * stride_kph + dims[None, :],
+                    mask=col_ok[:, None], other=0.0)
+        v = tl.load(vp_ptr + (start + cols)[:, None] * stride_vpt + kv_head * stride_vph + dims[None, :],
+                    mask=col_ok[:, None], other=0.0)
         s = (tl.dot(q, tl.trans(k)) * scale).to(tl.float32)  # AOTI passes scale as fp64
         s = tl.where(col_ok[None, :], s, float("-inf"))
         m_i, l_i, acc = online_softmax_block(s, v, m_i, l_i, acc)
@@ -68,21 +72,24 @@ def _prefix_attention_kernel(
 @triton_op("slm::prefix_suffix_attention", mutates_args={})  # exports into AOTInductor graphs
 def prefix_suffix_attention(
     q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor, k_suffix: torch.Tensor, v_suffix: torch.Tensor,
-    scale: float, block_w: int = 16, block_n: int = 64,
+    scale: float, prefix_cu: torch.Tensor, block_w: int = 16, block_n: int = 64,
 ) -> torch.Tensor:
-    """q: [W, Hq, D]; k/v_prefix: [Lp, Hkv, D]; k/v_suffix: [W, S, Hkv, D]. Returns [W, Hq, D]."""
-    w, hq, d = q.shape
-    lp, hkv, _ = k_prefix.shape
+    """q: [B*W, Hq, D]; k/v_prefix: [T, Hkv, D] with prompt b at rows prefix_cu[b]..prefix_cu[b+1]-1;
+    k/v_suffix: [B*W, S, Hkv, D]; prefix_cu: [B+1] int32. Returns [B*W, Hq, D]."""
+    rows, hq, d = q.shape
+    hkv = k_prefix.shape[1]
     s = k_suffix.shape[1]
-    if hq % hkv or d not in (16, 32, 64, 128) or k_suffix.shape != (w, s, hkv, d) or v_prefix.shape != k_prefix.shape:
+    prompts = prefix_cu.shape[0] - 1
+    if hq % hkv or d not in (16, 32, 64, 128) or k_suffix.shape != (rows, s, hkv, d) or v_prefix.shape != k_prefix.shape:
         raise ValueError(f"prefix_suffix_attention: unsupported shapes q {tuple(q.shape)}, "
-                         f"prefix {tuple(k_prefix.shape)}, suffix {tuple(k_suffix.shape)}")
+                         f"prefix {tuple(k_prefix.shape)}, suffix {tuple(k_suffix.shape)}, {prompts} prompts")
     if any(t.stride(-1) != 1 for t in (q, k_prefix, v_prefix, k_suffix, v_suffix)):
         raise ValueError("prefix_suffix_attention: the head dimension must be contiguous")
+    width = rows // prompts  # the beams of one prompt (rows are a whole number of prompts' beams)
     out = torch.empty_like(q)
-    grid = (triton.cdiv(w, block_w), hkv)
+    grid = (triton.cdiv(width, block_w), hkv, prompts)
     wrap_triton(_prefix_attention_kernel)[grid](
-        q, k_prefix, v_prefix, k_suffix, v_suffix, out, scale, w, lp,
+        q, k_prefix, v_prefix, k_suffix, v_suffix, out, prefix_cu, scale, width,
         q.stride(0), q.stride(1), k_prefix.stride(0), k_prefix.stride(1), v_prefix.stride(0), v_prefix.stride(1),
         k_suffix.stride(0), k_suffix.stride(1), k_suffix.stride(2), v_suffix.stride(0), v_suffix.stride(1),
         v_suffix.stride(2), out.stride(0), out.stride(1),

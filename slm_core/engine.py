@@ -109,18 +109,47 @@ class Engine:
         return results
 
     def run_beam(self, prompt: object) -> tuple[list[dict[str, Any]], "CallStats"]:
+        (result,) = self.run_beam_batch([prompt])
+        if isinstance(result, InputError):
+            raise result
+        return result
+
+    def run_beam_batch(self, prompts: list[object]) -> list["tuple[list[dict[str, Any]], CallStats] | InputError"]:
+        """Up to max_batch beam prompts in one graph call. Per prompt, in order: (candidates best
+        first, stats) or the InputError that kept it out of the call; the others are unaffected."""
         self._expect("beam")
+        if len(prompts) > self.task.max_batch:
+            raise ValueError(f"{len(prompts)} requests exceed max_batch={self.task.max_batch}")
+        ids_np, cu_np = self._ids.numpy(), self._cu.numpy()
+        results: list = []
         with self._lock, torch.inference_mode():
-            n = self.tokenizer.pack_prompt(prompt, self._ids.numpy())
+            cu_np[0] = t = 0
+            lengths = []
+            for prompt in prompts:
+                try:
+                    n = self.tokenizer.pack_prompt(prompt, ids_np[t:])
+                except InputError as e:
+                    results.append(e)
+                    continue
+                t += n
+                lengths.append(n)
+                cu_np[len(lengths)] = t
+                results.append(None)
+            if not lengths:
+                return results
             start = time.perf_counter()
-            tokens, lengths, scores = self.graph(self._ids[:n].to(self.device, non_blocking=True))
-            tokens, lengths, scores = tokens.cpu().tolist(), lengths.cpu().tolist(), scores.cpu().tolist()
-            stats = CallStats(texts=1, tokens=n, graph_ms=(time.perf_counter() - start) * 1e3)
-        out = []
-        for ids, length, score in zip(tokens, lengths, scores):
-            ids = ids[:length]
-            out.append({"text": self.tokenizer.decode(ids), "token_ids": ids, "score": score})
-        return out, stats
+            ids = self._ids[:t].to(self.device, non_blocking=True)
+            cu = self._cu[: len(lengths) + 1].to(self.device, non_blocking=True)
+            tokens, ends, scores = (x.cpu().tolist() for x in self.graph(ids, cu))
+            graph_ms = (time.perf_counter() - start) * 1e3
+        answers = iter(zip(lengths, tokens, ends, scores))
+        for i, result in enumerate(results):
+            if result is None:
+                n, rows, row_ends, row_scores = next(answers)
+                candidates = [{"text": self.tokenizer.decode(ids[:end]), "token_ids": ids[:end], "score": score}
+                              for ids, end, score in zip(rows, row_ends, row_scores)]
+                results[i] = candidates, CallStats(1, n, graph_ms, batch=len(lengths))
+        return results
 
     def _expect(self, kind: str) -> None:
         if self.task.task != kind:

@@ -1,4 +1,5 @@
-"""torch.export of the request graphs with dynamic shapes inside the task bounds."""
+"""torch.export of the request graphs with dynamic shapes inside the task bounds, and their
+AOTInductor compile."""
 
 import torch
 from torch.export import Dim, ExportedProgram
@@ -9,18 +10,17 @@ from slm_core.spec import TaskSpec
 
 def example_inputs(task: TaskSpec, device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
     """Inputs to trace with. Dynamic dims get sizes >= 2 (0/1 would specialise to constants)."""
-    if task.task == "score":
-        ids = torch.arange(8, dtype=torch.int32, device=device) + 1  # texts of 3 and 5 tokens
+    ids = torch.arange(8, dtype=torch.int32, device=device) + 1
+    if task.call_texts > 1:  # sequences of 3 and 5 tokens
         return ids, torch.tensor([0, 3, 8], dtype=torch.int32, device=device)
-    return (torch.arange(6, dtype=torch.int32, device=device) + 1,)
+    return ids, torch.tensor([0, 8], dtype=torch.int32, device=device)  # one prompt per call: a static [2]
 
 
 def dynamic_shapes(task: TaskSpec) -> tuple[dict[int, Dim], ...]:
-    if task.task == "score":
-        tokens = Dim("tokens", min=1, max=task.call_tokens)
-        boundaries = Dim("texts_plus_one", min=2, max=task.call_texts + 1)
-        return {0: tokens}, {0: boundaries}
-    return ({0: Dim("prompt_tokens", min=1, max=task.max_prompt_tokens)},)
+    tokens = Dim("tokens", min=1, max=task.call_tokens)
+    if task.call_texts > 1:
+        return {0: tokens}, {0: Dim("sequences_plus_one", min=2, max=task.call_texts + 1)}
+    return {0: tokens}, None
 
 
 def export_graph(graph: torch.nn.Module, task: TaskSpec) -> ExportedProgram:
@@ -29,3 +29,11 @@ def export_graph(graph: torch.nn.Module, task: TaskSpec) -> ExportedProgram:
     # (one text gives a cu_seqlens[1:] of size 1, which would otherwise specialise).
     with torch.inference_mode(False), torch.no_grad(), fx_config.patch(backed_size_oblivious=True):
         return torch.export.export(graph, example_inputs(task, device), dynamic_shapes=dynamic_shapes(task), strict=False)
+
+
+def compile_package(program: ExportedProgram, path: str) -> str:
+    """AOTInductor package of an exported graph at `path`. Compiled size-obliviously too: otherwise
+    Inductor's own tracing guards on a dynamic size being 1 and, when the example is not 1,
+    silently specialises it (found with the beam graph: a batch of 2 prompts became the only size)."""
+    with fx_config.patch(backed_size_oblivious=True):
+        return torch._inductor.aoti_compile_and_package(program, package_path=path)

@@ -31,11 +31,13 @@ class ScoreGraph(nn.Module):
 
 
 class BeamGraph(nn.Module):
-    """One prompt -> W candidates of up to N new tokens, as transformers' beam search
-    (early_stopping=True, length_penalty=0) ranks them.
+    """B prompts -> W candidates each of up to N new tokens, as transformers' beam search
+    (early_stopping=True, length_penalty=0) ranks them, prompt by prompt.
 
-    Each step expands the running beams, takes the global top 2W; candidates that end (stop token,
-    or the last step) among the top W go to a finished pool of W, the rest refill W running beams.
+    Each step expands a prompt's running beams and takes its top 2W; candidates that end (stop
+    token, or the last step) among the top W go to the prompt's finished pool of W, the rest
+    refill its W running beams. The prompts are packed like score texts: prefill runs once over
+    all of them, and each decode step runs the B×W beams together.
     """
 
     def __init__(self, model: Transformer, beam_width: int, new_tokens: int, stop_ids: list[int], pad_id: int):
@@ -51,56 +53,67 @@ class BeamGraph(nn.Module):
         self.register_buffer("top_w", torch.arange(2 * beam_width) < beam_width, persistent=False)
 
     def _expand(self, logits: torch.Tensor, cum: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """logits: [B, V]; cum: [B] fp32. Returns the global top 2W of B×2W continuations:
-        scores [2W] fp32 (sorted), parent beam [2W], token [2W]."""
+        """logits: [B*K, V], the K running beams of each prompt; cum: [B, K] fp32. Per prompt, the
+        top 2W of its K×2W continuations: scores [B, 2W] fp32 (sorted), parent beam [B, 2W] (of K),
+        token [B, 2W]."""
+        b, beams = cum.shape
         k = 2 * self.width
         top_logits, top_ids = logits.topk(k, dim=-1)  # per beam, in the model dtype
         log_probs = torch.log_softmax(logits.float(), dim=-1).gather(1, top_ids)  # FP32 scores of those ids
-        scores, flat = (log_probs + cum[:, None]).flatten().topk(k)
-        return scores, flat // k, top_ids.flatten().index_select(0, flat)
+        scores, flat = (log_probs.view(b, beams, k) + cum[:, :, None]).flatten(1).topk(k, dim=1)
+        return scores, flat // k, top_ids.view(b, beams * k).gather(1, flat)
 
-    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """input_ids: [Lp] int32. Returns tokens [W, N] int64 (pad after the end), lengths [W] int64,
-        scores [W] fp32 (cumulative log-probabilities), best first."""
+    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """input_ids: [T] int32, B prompts packed; cu_seqlens: [B+1] int32. Returns per prompt,
+        best first: tokens [B, W, N] int64 (pad after the end), lengths [B, W] int64, scores [B, W]
+        fp32 (cumulative log-probabilities)."""
         w, n, dev = self.width, self.new_tokens, input_ids.device
-        lp = input_ids.shape[0]
-        cu = torch.arange(2, device=dev, dtype=torch.int32) * lp  # [0, Lp]
-        hidden, prefix = self.model.prefill(input_ids, cu)  # prompt K/V: once, [Lp, Hkv, D] per layer
-        logits = self.model.logits(hidden[-1:])  # [1, V]
+        b = cu_seqlens.shape[0] - 1
+        hidden, prefix = self.model.prefill(input_ids, cu_seqlens)  # prompt K/V: once, [T, Hkv, D] per layer
+        logits = self.model.logits(hidden.index_select(0, cu_seqlens[1:] - 1))  # [B, V]: each prompt's last token
+        prompt_len = (cu_seqlens[1:] - cu_seqlens[:-1]).long()[:, None].expand(b, w).reshape(-1)  # [B*W]
 
-        history = torch.zeros(1, 0, dtype=torch.int64, device=dev)  # running beams' tokens [B, step-1]
-        cum = torch.zeros(1, dtype=torch.float32, device=dev)
-        suffix = None  # per layer [W, step-1, Hkv, D] from the first decode on
-        pool_tokens = torch.full((w, n), self.pad_id, dtype=torch.int64, device=dev)
-        pool_lengths = torch.zeros(w, dtype=torch.int64, device=dev)
-        pool_scores = torch.full((w,), NEG, dtype=torch.float32, device=dev)
-        pool_done = torch.zeros(w, dtype=torch.bool, device=dev)
+        history = torch.zeros(b, 1, 0, dtype=torch.int64, device=dev)  # running beams' tokens [B, K, step-1]
+        cum = torch.zeros(b, 1, dtype=torch.float32, device=dev)
+        suffix = None  # per layer [B*W, step-1, Hkv, D] from the first decode on
+        pool_tokens = torch.full((b, w, n), self.pad_id, dtype=torch.int64, device=dev)
+        pool_lengths = torch.zeros(b, w, dtype=torch.int64, device=dev)
+        pool_scores = torch.full((b, w), NEG, dtype=torch.float32, device=dev)
+        pool_done = torch.zeros(b, w, dtype=torch.bool, device=dev)
 
         for step in range(1, n + 1):  # `step` tokens generated after this iteration
             if step > 1:
-                hidden, suffix = self.model.decode(history[:, -1], lp + step - 2, prefix, suffix)
-                logits = self.model.logits(hidden)  # [W, V]
-            scores, parent, token = self._expand(logits, cum)
-            candidates = torch.cat([history.index_select(0, parent), token[:, None]], dim=1)  # [2W, step]
+                last = history[:, :, -1].reshape(-1)  # [B*W]
+                hidden, suffix = self.model.decode(last, prompt_len + (step - 2), prefix, cu_seqlens, suffix)
+                logits = self.model.logits(hidden)  # [B*W, V]
+            scores, parent, token = self._expand(logits, cum)  # [B, 2W] each
+            candidates = torch.cat([take(history, parent), token[:, :, None]], dim=2)  # [B, 2W, step]
             ends = torch.isin(token, self.stop_ids)
             if step == n:
                 ends = torch.ones_like(ends)
 
-            # Finished pool: merge candidates that end within the top W, keep the best W. Once the
-            # pool holds W finished candidates nothing enters it any more (early_stopping=True).
-            entering = scores + (~(ends & self.top_w)).float() * NEG + pool_done.all().float() * NEG
-            keep = torch.cat([pool_scores, entering]).topk(w).indices
+            # Finished pool: merge candidates that end within the top W, keep the best W. Once a
+            # prompt's pool holds W finished candidates nothing enters it any more (early_stopping=True).
+            entering = scores + (~(ends & self.top_w)).float() * NEG + pool_done.all(1, keepdim=True).float() * NEG
+            merged = torch.cat([pool_scores, entering], dim=1)  # [B, 3W]
+            keep = merged.topk(w, dim=1).indices
             padded = F.pad(candidates, (0, n - step), value=self.pad_id)
-            pool_tokens = torch.cat([pool_tokens, padded]).index_select(0, keep)
-            pool_lengths = torch.cat([pool_lengths, torch.full_like(token, step)]).index_select(0, keep)
-            pool_scores = torch.cat([pool_scores, entering]).index_select(0, keep)
-            pool_done = torch.cat([pool_done, ends & self.top_w]).index_select(0, keep)
+            pool_tokens = take(torch.cat([pool_tokens, padded], dim=1), keep)
+            pool_lengths = take(torch.cat([pool_lengths, torch.full_like(token, step)], dim=1), keep)
+            pool_scores = take(merged, keep)
+            pool_done = take(torch.cat([pool_done, ends & self.top_w], dim=1), keep)
 
             if step < n:  # running beams: the best W that did not end; reorder history and suffix K/V only
-                running = scores + ends.float() * NEG
-                cum, keep = running.topk(w)
-                history = candidates.index_select(0, keep)
+                cum, keep = (scores + ends.float() * NEG).topk(w, dim=1)
+                history = take(candidates, keep)
                 if suffix is not None:
-                    beams = parent.index_select(0, keep)
-                    suffix = [(k.index_select(0, beams), v.index_select(0, beams)) for k, v in suffix]
+                    rows = (take(parent, keep) + torch.arange(b, device=dev)[:, None] * w).flatten()
+                    suffix = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in suffix]
         return pool_tokens, pool_lengths, pool_scores
+
+
+def take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Per prompt, rows of x by index: x [B, K, ...], idx [B, J] into K -> [B, J, ...]."""
+    b, k = x.shape[0], x.shape[1]
+    flat = (idx + torch.arange(b, device=idx.device)[:, None] * k).flatten()
+    return x.flatten(0, 1).index_select(0, flat).view(b, idx.shape[1], *x.shape[2:])

@@ -1,8 +1,9 @@
 """Llama / Qwen2 / Qwen3 decoder in packed layout: every linear sees exactly the real tokens.
 
-Prefill runs over `[ΣL, hidden]` with `cu_seqlens` marking the sequences; decode runs W beams that
-share one prompt K/V (`[Lp, kv_heads, d]`, stored once) and each own a suffix K/V
-(`[W, S, kv_heads, d]`). The module knows nothing of tasks, search or quantisation.
+Prefill runs over `[ΣL, hidden]` with `cu_seqlens` marking the sequences; decode runs the W beams
+of each of B prompts, which share their prompt's K/V (packed `[ΣLp, kv_heads, d]`, stored once)
+and each own a suffix K/V (`[B*W, S, kv_heads, d]`). The module knows nothing of tasks, search or
+quantisation.
 """
 
 from typing import Callable, Mapping
@@ -68,13 +69,13 @@ class Attention(nn.Module):
             o = packed_attention_ref(q, k, v, cu_seqlens, self.scale)
         return self.o(o.flatten(1)), (k, v)
 
-    def decode(self, x, cos, sin, prefix: KV, suffix: KV | None) -> tuple[torch.Tensor, KV]:
-        q, k, v = self.project(x, cos, sin)  # one new token per beam: [W, H, D]
-        k, v = k[:, None], v[:, None]  # [W, 1, Hkv, D]
+    def decode(self, x, cos, sin, prefix: KV, prefix_cu, suffix: KV | None) -> tuple[torch.Tensor, KV]:
+        q, k, v = self.project(x, cos, sin)  # one new token per beam: [B*W, H, D]
+        k, v = k[:, None], v[:, None]  # [B*W, 1, Hkv, D]
         if suffix is not None:
             k, v = torch.cat([suffix[0], k], dim=1), torch.cat([suffix[1], v], dim=1)
         attend = self.kernels[1] if self.kernels is not None else prefix_suffix_attention_ref
-        o = attend(q, prefix[0], prefix[1], k, v, self.scale)
+        o = attend(q, prefix[0], prefix[1], k, v, self.scale, prefix_cu)
         return self.o(o.flatten(1)), (k, v)
 
 
@@ -165,18 +166,19 @@ class Transformer(nn.Module):
         return x, kvs
 
     def decode(
-        self, input_ids: torch.Tensor, position: int | torch.SymInt, prefix: list[KV], suffix: list[KV] | None
+        self, input_ids: torch.Tensor, positions: torch.Tensor, prefix: list[KV], prefix_cu: torch.Tensor,
+        suffix: list[KV] | None,
     ) -> tuple[torch.Tensor, list[KV]]:
-        """One token for each of W beams at the same `position`. input_ids: [W]. prefix: per layer
-        the prompt K/V [Lp, Hkv, D]; suffix: per layer [W, S, Hkv, D] or None before the first
-        decode. Returns hidden [W, hidden] and the suffixes grown by this token ([W, S+1, Hkv, D])."""
+        """One token for each beam of B prompts (W beams each, prompt by prompt). input_ids and
+        positions: [B*W]. prefix: per layer the prompts' K/V packed [T, Hkv, D], prompt b at rows
+        prefix_cu[b]..prefix_cu[b+1]-1; suffix: per layer [B*W, S, Hkv, D] or None before the first
+        decode. Returns hidden [B*W, hidden] and the suffixes grown by this token ([B*W, S+1, Hkv, D])."""
         x = self.embed(input_ids)
-        cos = self.cos.narrow(0, position, 1).to(x.dtype)
-        sin = self.sin.narrow(0, position, 1).to(x.dtype)
+        cos, sin = self._rope(positions, x.dtype)
         grown = []
         for i, layer in enumerate(self.layers):
             past = None if suffix is None else suffix[i]
-            x, kv = layer.run(x, lambda h, a=layer.attn, p=prefix[i]: a.decode(h, cos, sin, p, past))
+            x, kv = layer.run(x, lambda h, a=layer.attn, p=prefix[i]: a.decode(h, cos, sin, p, prefix_cu, past))
             grown.append(kv)
         return x, grown
 

@@ -18,11 +18,11 @@ from tokenizers import Tokenizer
 from slm_core.checkpoint import Checkpoint
 from slm_core.engine import Engine, build_graph
 from slm_core.errors import SpecError
-from slm_core.export import export_graph
+from slm_core.export import compile_package, export_graph
 from slm_core.spec import PRECISIONS, RuntimeSpec, TaskSpec
 from slm_core.tokenizer import PackedTokenizer
 
-FORMAT = 1
+FORMAT = 2  # 2: the beam graph takes cu_seqlens and answers B prompts per call
 MANIFEST, GRAPH, TOKENIZER = "manifest.json", "graph.pt2", "tokenizer.json"
 # Compiled vs eager on the check inputs: largest allowed |difference| of probabilities / beam scores,
 # and the share of compiled beam candidates that eager also returns.
@@ -72,7 +72,7 @@ def build_package(
     program = step("torch.export", lambda: export_graph(graph, task))
     package = step(
         f"AOTInductor compile for {dev.type} (on 2 CPU cores: ~1 min for a 30-layer score graph, ~4 for a beam graph)",
-        lambda: torch._inductor.aoti_compile_and_package(program, package_path=str(out_dir / GRAPH)),
+        lambda: compile_package(program, str(out_dir / GRAPH)),
     )
     compiled = Engine(torch._inductor.aoti_load_package(package), tokenizer, task, runtime)
     check = step("checking the compiled graph against eager", lambda: check_compiled(Engine(graph, tokenizer, task, runtime), compiled))
@@ -104,8 +104,10 @@ def signature(task: TaskSpec) -> dict[str, list[str]]:
         }
     w, n = task.beam_width, task.new_tokens
     return {
-        "inputs": [f"input_ids int32 [prompt_tokens <= {task.max_prompt_tokens}]"],
-        "outputs": [f"tokens int64 [{w}, {n}]", f"lengths int64 [{w}]", f"scores float32 [{w}]"],
+        "inputs": [f"input_ids int32 [tokens <= {task.call_tokens}]",
+                   f"cu_seqlens int32 [prompts + 1 <= {task.call_texts + 1}]"],
+        "outputs": [f"tokens int64 [prompts, {w}, {n}]", f"lengths int64 [prompts, {w}]",
+                    f"scores float32 [prompts, {w}]"],
     }
 
 
@@ -126,9 +128,16 @@ def check_compiled(eager: Engine, compiled: Engine) -> dict[str, Any]:
                 for a, b in zip(eager.score(texts), result[0]):
                     worst = max(worst, max(abs(x - y) for x, y in zip(a, b)))
     else:
-        for prompt in samples[:3]:
+        prompts = samples[:3]
+        # One prompt per call, then (when the task batches) a full call of max_batch prompts.
+        answers = [compiled.beam(p) for p in prompts]
+        if task.max_batch > 1:
+            batch = [samples[i % len(samples)] for i in range(task.max_batch)]
+            prompts = prompts + batch
+            answers += [result[0] for result in compiled.run_beam_batch(batch)]
+        for prompt, answer in zip(prompts, answers):
             ref = {tuple(c["token_ids"]): c["score"] for c in eager.beam(prompt)}
-            for c in compiled.beam(prompt):
+            for c in answer:
                 total += 1
                 if tuple(c["token_ids"]) in ref:
                     shared += 1

@@ -78,9 +78,9 @@ def respond(engine: Engine, request: dict) -> Reply:
 
 
 def respond_batch(engine: Engine, requests: list[dict]) -> list[Reply]:
-    """The replies to a TorchServe batch, in order. Score requests share one graph call (up to the
-    task's max_batch); a bad request gets its own 400 and is left out of the call; a failure of
-    the call itself is a 500 for the requests in it, logged. Nothing here raises."""
+    """The replies to a TorchServe batch, in order. Requests share one graph call, up to the
+    task's max_batch each; a bad request gets its own 400 and is left out of the call; a failure
+    of the call itself is a 500 for the requests in it, logged. Nothing here raises."""
     task = engine.task
     replies: list[Reply | None] = [None] * len(requests)
     values, members = [], []
@@ -93,38 +93,25 @@ def respond_batch(engine: Engine, requests: list[dict]) -> list[Reply]:
         except Exception:
             log.exception("request failed")
             replies[i] = error(500, "internal error while running the request")
-    if task.task == "score":
-        for start in range(0, len(values), task.max_batch):
-            _score(engine, values[start : start + task.max_batch], members[start : start + task.max_batch], replies)
-    else:
-        for value, i in zip(values, members):
-            replies[i] = _beam(engine, value)
+    for start in range(0, len(values), task.max_batch):
+        _call(engine, values[start : start + task.max_batch], members[start : start + task.max_batch], replies)
     return replies
 
 
-def _score(engine: Engine, values: list, members: list[int], replies: list) -> None:
+def _call(engine: Engine, values: list, members: list[int], replies: list) -> None:
+    """One graph call for up to max_batch requests; their replies go to replies[members]."""
+    score = engine.task.task == "score"
     try:
-        results = engine.run_score_batch(values)
+        results = engine.run_score_batch(values) if score else engine.run_beam_batch(values)
     except Exception:  # a bug or a device fault: these requests fail, the worker lives on
-        log.exception("score call failed")
+        log.exception("graph call failed")
         for i in members:
             replies[i] = error(500, "internal error while running the request")
         return
-    labels = list(engine.task.labels)
     for i, result in zip(members, results):
         if isinstance(result, InputError):
             replies[i] = error(400, str(result))
+        elif score:
+            replies[i] = Reply(200, encode({"labels": list(engine.task.labels), "scores": result[0]}), result[1])
         else:
-            rows, stats = result
-            replies[i] = Reply(200, encode({"labels": labels, "scores": rows}), stats)
-
-
-def _beam(engine: Engine, prompt: object) -> Reply:
-    try:
-        candidates, stats = engine.run_beam(prompt)
-        return Reply(200, encode({"candidates": candidates}), stats)
-    except InputError as e:
-        return error(400, str(e))
-    except Exception:
-        log.exception("beam call failed")
-        return error(500, "internal error while running the request")
+            replies[i] = Reply(200, encode({"candidates": result[0]}), result[1])

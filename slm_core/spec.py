@@ -138,7 +138,7 @@ class TaskSpec:
     max_prompt_tokens: int = 512
     stop: tuple[str, ...] = ()
     precision: str = "bf16"
-    max_batch: int = 1  # score requests packed into one graph call (TorchServe's batchSize)
+    max_batch: int = 1  # requests packed into one graph call (TorchServe's batchSize)
 
     def __post_init__(self):
         if self.task not in ("score", "beam"):
@@ -157,8 +157,6 @@ class TaskSpec:
                 raise SpecError(f"task key {name!r} must be a list of non-empty strings, got {list(items)!r}")
         if self.task == "score" and len(self.labels) < 2:
             raise SpecError("a score task needs at least two 'labels'")
-        if self.task == "beam" and self.max_batch != 1:
-            raise SpecError("task key 'max_batch' applies to score tasks; a beam graph runs one prompt per call")
 
     @property
     def placeholder(self) -> str:
@@ -170,13 +168,13 @@ class TaskSpec:
 
     @property
     def call_texts(self) -> int:
-        """Texts one score graph call holds: max_batch requests of up to max_texts each."""
-        return self.max_batch * self.max_texts
+        """Sequences one graph call holds: max_batch requests of max_texts texts (score) or one prompt (beam)."""
+        return self.max_batch * (self.max_texts if self.task == "score" else 1)
 
     @property
     def call_tokens(self) -> int:
-        """Packed tokens one graph call holds (score: call_texts full texts; beam: the prompt)."""
-        return self.call_texts * self.max_text_tokens if self.task == "score" else self.max_prompt_tokens
+        """Packed tokens one graph call holds: call_texts sequences at their token bound."""
+        return self.call_texts * (self.max_text_tokens if self.task == "score" else self.max_prompt_tokens)
 
     @property
     def max_seq_tokens(self) -> int:

@@ -114,7 +114,7 @@ def pytest_collection_modifyitems(config, items):
 
 SCORE_TASK = {"task": "score", "prompt_template": "Query: {text} Answer:", "labels": ["yes", "no"],
               "max_texts": 8, "max_text_tokens": 64, "precision": "fp32", "max_batch": 3}
-BEAM_TASK = {"task": "beam", "beam_width": 4, "new_tokens": 3, "max_prompt_tokens": 64, "stop": ["<|im_end|>"],
+BEAM_TASK = {"task": "beam", "beam_width": 4, "new_tokens": 3, "max_prompt_tokens": 64, "stop": ["<|im_end|>"], "max_batch": 2,
              "precision": "fp32"}
 
 

@@ -33,20 +33,23 @@ def test_packed_attention(lengths, heads):
 
 
 @pytest.mark.parametrize("width", [1, 4, 33])
-@pytest.mark.parametrize("prompt, suffix", [(1, 1), (9, 1), (9, 5), (40, 3)])
+@pytest.mark.parametrize("prompts, suffix", [([1], 1), ([9], 1), ([9], 5), ([40], 3), ([9, 1, 40], 2)])
 @pytest.mark.parametrize("heads", [(4, 4, 16), (6, 2, 64), (8, 1, 32)])
-def test_prefix_suffix_attention(width, prompt, suffix, heads):
+def test_prefix_suffix_attention(width, prompts, suffix, heads):
     hq, hkv, d = heads
-    torch.manual_seed(width + prompt)
-    q = torch.randn(width, hq, d)
-    kp, vp = torch.randn(prompt, hkv, d), torch.randn(prompt, hkv, d)
-    ks, vs = torch.randn(width, suffix, hkv, d), torch.randn(width, suffix, hkv, d)
-    out = prefix_suffix_attention_ref(q, kp, vp, ks, vs, d**-0.5)
+    torch.manual_seed(width + sum(prompts))
+    rows, t = width * len(prompts), sum(prompts)
+    q = torch.randn(rows, hq, d)
+    kp, vp = torch.randn(t, hkv, d), torch.randn(t, hkv, d)
+    ks, vs = torch.randn(rows, suffix, hkv, d), torch.randn(rows, suffix, hkv, d)
+    cu = torch.tensor([0] + prompts).cumsum(0).to(torch.int32)
+    out = prefix_suffix_attention_ref(q, kp, vp, ks, vs, d**-0.5, cu)
     assert out.shape == q.shape
-    for b in range(width):  # beam b sees the prompt followed by its own suffix
-        k, v = torch.cat([kp, ks[b]]), torch.cat([vp, vs[b]])
-        ref = naive_attention(q[b : b + 1], k, v, causal=False, scale=d**-0.5)
-        torch.testing.assert_close(out[b : b + 1].double(), ref, atol=1e-5, rtol=1e-5)
+    for r in range(rows):  # beam r sees its own prompt followed by its own suffix
+        a, b = cu[r // width].item(), cu[r // width + 1].item()
+        k, v = torch.cat([kp[a:b], ks[r]]), torch.cat([vp[a:b], vs[r]])
+        ref = naive_attention(q[r : r + 1], k, v, causal=False, scale=d**-0.5)
+        torch.testing.assert_close(out[r : r + 1].double(), ref, atol=1e-5, rtol=1e-5)
 
 
 def test_bf16_in_bf16_out_fp32_inside():

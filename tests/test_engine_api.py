@@ -83,5 +83,23 @@ def test_score_batch_packs_requests_into_one_call(random_checkpoint):
     assert mixed[0][0][0] == pytest.approx(engine.score(["fine"])[0], abs=1e-6)
     with pytest.raises(ValueError, match="max_batch=3"):
         engine.run_score_batch([["a"]] * 4)
-    with pytest.raises(SpecError, match="'max_batch' applies to score"):
-        engine_for(ckpt, task="beam", beam_width=2, max_batch=2)
+
+
+def test_beam_batch_packs_prompts_into_one_call(random_checkpoint):
+    """Several beam prompts in one graph call: each prompt's candidates equal its own call (same
+    tokens in the same order, scores within fp32 noise); a bad prompt is refused alone."""
+    from test_hf_equality import engine_for
+
+    ckpt = load_checkpoint(random_checkpoint("qwen3")[0])
+    engine = engine_for(ckpt, task="beam", beam_width=4, new_tokens=3, max_prompt_tokens=24, max_batch=3)
+    prompts = ["a small language model", "search", "the lazy dog jumps over the quick brown fox"]
+    results = engine.run_beam_batch(prompts)
+    assert [r[1].batch for r in results] == [3, 3, 3]
+    for prompt, (candidates, stats) in zip(prompts, results):
+        alone = engine.beam(prompt)
+        assert [c["token_ids"] for c in candidates] == [c["token_ids"] for c in alone]
+        assert [c["score"] for c in candidates] == pytest.approx([c["score"] for c in alone], abs=1e-5)
+        assert stats.tokens == len(engine.tokenizer.tokenizer.encode(prompt).ids)
+    mixed = engine.run_beam_batch(["word " * 40, "search"])
+    assert isinstance(mixed[0], InputError) and "max_prompt_tokens=24" in str(mixed[0])
+    assert [c["token_ids"] for c in mixed[1][0]] == [c["token_ids"] for c in engine.beam("search")]

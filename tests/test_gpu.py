@@ -8,7 +8,7 @@ import torch
 
 from hf_ref import hf_score
 from slm_core.checkpoint import load_checkpoint
-from slm_core.export import export_graph
+from slm_core.export import compile_package, export_graph
 from slm_core.spec import RuntimeSpec
 from test_hf_equality import RANDOM_TEXTS, engine_for, text_ids
 
@@ -61,7 +61,8 @@ def test_cuda_export(random_checkpoint):
         eng = engine_for(ckpt, "cuda", **task, precision="bf16")
         program = export_graph(eng.graph, eng.task).module()
         ids = torch.randint(0, ckpt.spec.vocab_size, (9,), dtype=torch.int32, device="cuda")
-        args = (ids, torch.tensor([0, 2, 9], dtype=torch.int32, device="cuda")) if task["task"] == "score" else (ids,)
+        cu = [0, 2, 9] if task["task"] == "score" else [0, 9]
+        args = (ids, torch.tensor(cu, dtype=torch.int32, device="cuda"))
         for a, b in zip(torch.utils._pytree.tree_leaves(program(*args)), torch.utils._pytree.tree_leaves(eng.graph(*args))):
             assert torch.equal(a, b)
 
@@ -125,7 +126,7 @@ def test_triton_attention_graphs_on_cuda(random_checkpoint, tmp_path):
     assert len({tuple(c["token_ids"]) for c in x} & {tuple(c["token_ids"]) for c in y}) >= 12
 
     program = export_graph(tri.graph, tri.task)
-    package = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "g.pt2"))
+    package = compile_package(program, str(tmp_path / "g.pt2"))
     compiled = torch._inductor.aoti_load_package(package)
     ids = torch.randint(0, ckpt.spec.vocab_size, (40,), dtype=torch.int32, device="cuda")
     cu = torch.tensor([0, 1, 17, 40], dtype=torch.int32, device="cuda")
@@ -171,6 +172,25 @@ def test_prefix_suffix_attention_bf16_full_size(w, lp, heads, s):
     kp, vp = torch.randn(lp, hkv, d, device="cuda"), torch.randn(lp, hkv, d, device="cuda")
     ks, vs = torch.randn(w, s, hkv, d, device="cuda"), torch.randn(w, s, hkv, d, device="cuda")
     bf = [x.bfloat16() for x in (q, kp, vp, ks, vs)]
-    err = rel_err(prefix_suffix_attention(*bf, d**-0.5), prefix_suffix_attention_ref(q, kp, vp, ks, vs, d**-0.5))
+    cu = torch.tensor([0, lp], dtype=torch.int32, device="cuda")
+    err = rel_err(prefix_suffix_attention(*bf, d**-0.5, cu), prefix_suffix_attention_ref(q, kp, vp, ks, vs, d**-0.5, cu))
     print(f"\nprefix W={w} Lp={lp} Ls={s} heads {heads}: rel err {err:.1e}")
+    assert err <= 1e-2
+
+
+def test_prefix_suffix_attention_bf16_several_prompts():
+    """W3-like: 4 prompts of different lengths, 100 beams each, in one call."""
+    from kernels.attention_ref import prefix_suffix_attention_ref
+    from kernels.prefix_attention import prefix_suffix_attention
+
+    torch.manual_seed(0)
+    prompts, w, (hq, hkv, d) = [384, 512, 401, 450], 100, (14, 2, 64)
+    rows, t = w * len(prompts), sum(prompts)
+    q = torch.randn(rows, hq, d, device="cuda")
+    kp, vp = torch.randn(t, hkv, d, device="cuda"), torch.randn(t, hkv, d, device="cuda")
+    ks, vs = torch.randn(rows, 3, hkv, d, device="cuda"), torch.randn(rows, 3, hkv, d, device="cuda")
+    cu = torch.tensor([0] + prompts, device="cuda").cumsum(0).to(torch.int32)
+    bf = [x.bfloat16() for x in (q, kp, vp, ks, vs)]
+    err = rel_err(prefix_suffix_attention(*bf, d**-0.5, cu), prefix_suffix_attention_ref(q, kp, vp, ks, vs, d**-0.5, cu))
+    print(f"\nprefix 4 prompts x W={w}: rel err {err:.1e}")
     assert err <= 1e-2

@@ -34,6 +34,24 @@ def test_compiled_beam_equals_eager(archives):
     assert compiled.beam("a small language model") == compiled.beam("a small language model")
 
 
+def test_compiled_graphs_take_a_batch_of_any_size_up_to_max_batch(archives):
+    """The archives batch requests (score max_batch 3, beam 2): every batch size from 1 to the
+    bound runs in one compiled call and answers each request as its own call does."""
+    score = load_package(archives["tiny_score"])
+    requests = [TEXTS[:1], TEXTS[1:3], TEXTS]
+    for size in (1, 2, 3):
+        for texts, (rows, stats) in zip(requests, score.run_score_batch(requests[:size])):
+            assert stats.batch == size
+            for row, ref in zip(rows, score.score(texts)):
+                assert row == pytest.approx(ref, abs=1e-6)
+    beam = load_package(archives["tiny_beam"])
+    prompts = ["a", "search engines rank documents for a query"]
+    for size in (1, 2):
+        for prompt, (candidates, stats) in zip(prompts, beam.run_beam_batch(prompts[:size])):
+            assert stats.batch == size
+            assert [c["token_ids"] for c in candidates] == [c["token_ids"] for c in beam.beam(prompt)]
+
+
 def test_manifest_records_what_serving_needs(archives):
     manifest = json.loads((archives["tiny_score"] / MANIFEST).read_text())
     assert manifest["device"] == "cpu" and manifest["dtype"] == "float32"

@@ -65,9 +65,9 @@ def test_prompt_kv_is_stored_once_and_never_copied_per_beam(qwen3, monkeypatch):
         prefill_k.append(k)
         return packed(q, k, v, cu, scale)
 
-    def record_decode(q, kp, vp, ks, vs, scale):
+    def record_decode(q, kp, vp, ks, vs, scale, cu):
         decode_calls.append((kp, vp, ks))
-        return prefix_suffix(q, kp, vp, ks, vs, scale)
+        return prefix_suffix(q, kp, vp, ks, vs, scale, cu)
 
     monkeypatch.setattr(slm_core.model, "packed_attention_ref", record_prefill)
     monkeypatch.setattr(slm_core.model, "prefix_suffix_attention_ref", record_decode)
@@ -99,13 +99,15 @@ def test_graphs_export_with_dynamic_shapes(random_checkpoint, arch):
         cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
         torch.testing.assert_close(program(ids, cu), score.graph(ids, cu), atol=1e-6, rtol=0)
 
-    beam = engine_for(ckpt, **BEAM)
-    program = export_graph(beam.graph, beam.task).module()
-    for length in (1, 5, 48):
-        ids = torch.randint(0, vocab, (length,), dtype=torch.int32)
-        ours, eager = program(ids), beam.graph(ids)
-        assert torch.equal(ours[0], eager[0]) and torch.equal(ours[1], eager[1])
-        torch.testing.assert_close(ours[2], eager[2], atol=1e-5, rtol=0)
+    for max_batch, batches in ((1, ([1], [5], [48])), (3, ([1], [48], [5, 1, 48]))):
+        beam = engine_for(ckpt, **BEAM, max_batch=max_batch)
+        program = export_graph(beam.graph, beam.task).module()
+        for lengths in batches:
+            ids = torch.randint(0, vocab, (sum(lengths),), dtype=torch.int32)
+            cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+            ours, eager = program(ids, cu), beam.graph(ids, cu)
+            assert torch.equal(ours[0], eager[0]) and torch.equal(ours[1], eager[1])
+            torch.testing.assert_close(ours[2], eager[2], atol=1e-5, rtol=0)
 
 
 def test_repeated_calls_are_bit_identical(qwen3):

@@ -55,22 +55,25 @@ import json, sys, torch
 from kernels.prefix_attention import prefix_suffix_attention
 from kernels.attention_ref import prefix_suffix_attention_ref
 errors = []
-for w, lp, s, (hq, hkv, d), block_w in json.loads(sys.argv[1]):
-    torch.manual_seed(w + lp)
-    q = torch.randn(w, hq, d)
-    kp, vp = torch.randn(lp, hkv, d), torch.randn(lp, hkv, d)
-    ks, vs = torch.randn(w, s, hkv, d), torch.randn(w, s, hkv, d)
-    out = prefix_suffix_attention(q, kp, vp, ks, vs, d ** -0.5, block_w=block_w, block_n=16)
-    errors.append((out - prefix_suffix_attention_ref(q, kp, vp, ks, vs, d ** -0.5)).abs().max().item())
+for w, prompts, s, (hq, hkv, d), block_w in json.loads(sys.argv[1]):
+    torch.manual_seed(w + sum(prompts))
+    rows, t = w * len(prompts), sum(prompts)
+    q = torch.randn(rows, hq, d)
+    kp, vp = torch.randn(t, hkv, d), torch.randn(t, hkv, d)
+    ks, vs = torch.randn(rows, s, hkv, d), torch.randn(rows, s, hkv, d)
+    cu = torch.tensor([0] + prompts).cumsum(0).to(torch.int32)
+    out = prefix_suffix_attention(q, kp, vp, ks, vs, d ** -0.5, cu, block_w=block_w, block_n=16)
+    errors.append((out - prefix_suffix_attention_ref(q, kp, vp, ks, vs, d ** -0.5, cu)).abs().max().item())
 print(json.dumps(errors))
 """
 
 PREFIX_CASES = [
-    (1, 1, 1, (4, 4, 16), 4),  # W = 1, a one-token prompt, L_s = 1
-    (5, 7, 2, (14, 2, 64), 4),  # Qwen2.5-0.5B heads: a group of 7 (padded to 8)
-    (3, 11, 4, (9, 3, 64), 2),  # SmolLM2 heads: a group of 3
-    (33, 40, 5, (8, 1, 32), 8),  # L_s = 5, beams not a multiple of the block
-    (400, 20, 3, (2, 2, 128), 16),  # W = 400, head_dim 128
+    (1, [1], 1, (4, 4, 16), 4),  # W = 1, a one-token prompt, L_s = 1
+    (5, [7], 2, (14, 2, 64), 4),  # Qwen2.5-0.5B heads: a group of 7 (padded to 8)
+    (3, [11], 4, (9, 3, 64), 2),  # SmolLM2 heads: a group of 3
+    (33, [40], 5, (8, 1, 32), 8),  # L_s = 5, beams not a multiple of the block
+    (400, [20], 3, (2, 2, 128), 16),  # W = 400, head_dim 128
+    (6, [5, 1, 19], 2, (6, 2, 16), 4),  # three prompts of different lengths in one call
 ]
 
 
@@ -94,7 +97,8 @@ def test_wrappers_refuse_bad_shapes():
 
     with pytest.raises(ValueError, match="unsupported shapes"):
         prefix_suffix_attention(torch.randn(4, 4, 16), torch.randn(3, 2, 16), torch.randn(3, 2, 16),
-                                torch.randn(5, 1, 2, 16), torch.randn(5, 1, 2, 16), 0.25)
+                                torch.randn(5, 1, 2, 16), torch.randn(5, 1, 2, 16), 0.25,
+                                torch.tensor([0, 3], dtype=torch.int32))
 
 
 ENGINE_CHECK = r"""
