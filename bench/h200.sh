@@ -2,7 +2,9 @@
 # The H200 steps of bench/README.md, one per device call (each call may run 10 minutes; archives
 # built into .bench-work/ survive between calls while the machine stays warm).
 #   bash bench/h200.sh build   # archives for W1/W2/W3 ($VARIANTS below, hf, noop), 6 at a time
-#   bash bench/h200.sh check   # GPU tests and the attention kernel bench
+#   bash bench/h200.sh check   # the fast GPU tests: kernels at full size, CUDA engine vs transformers, export
+#   bash bench/h200.sh check-full  # every GPU test (adds AOTInductor builds and a CUDA TorchServe worker)
+#   bash bench/h200.sh kernels # the attention kernel bench
 #   bash bench/h200.sh bench   # the measured run: noop ceiling, sweeps, report, PNGs
 #   bash bench/h200.sh levers  # issue 6: slm workers and cross-request batching, W1-W3
 #   bash bench/h200.sh profile # where one request's time goes, per built slm archive
@@ -19,7 +21,10 @@ case "$1" in
 build)
     python3 -m bench.run "${ARGS[@]}" --jobs 6 --build-only --slm "$VARIANTS" ;;
 check)
-    python3 -m pytest -q -s tests/test_gpu.py -p no:cacheprovider
+    python3 -m pytest -q -s tests/test_gpu.py -p no:cacheprovider -k "bf16 or export" ;;
+check-full)
+    python3 -m pytest -q -s tests/test_gpu.py -p no:cacheprovider ;;
+kernels)
     python3 -m bench.kernels_bench --out "$OUT/kernels_bench.json" ;;
 bench)
     python3 -m bench.run "${ARGS[@]}" --out "$OUT" --warmup 2 --duration 4 "${@:2}"
@@ -40,5 +45,5 @@ profile)
         done
     done ;;
 *)
-    echo "usage: bench/h200.sh build|check|bench|profile" >&2; exit 2 ;;
+    echo "usage: bench/h200.sh build|check|check-full|kernels|bench|levers|profile" >&2; exit 2 ;;
 esac

@@ -67,93 +67,83 @@ class Engine:
         return self.run_beam(prompt)[0]
 
     def run_score(self, texts: object) -> tuple[list[list[float]], "CallStats"]:
-        (result,) = self.run_score_batch([texts])
-        if isinstance(result, InputError):
-            raise result
-        return result
+        return _only(self.run_score_batch([texts]))
 
     def run_score_batch(self, requests: list[object]) -> list["tuple[list[list[float]], CallStats] | InputError"]:
         """Up to max_batch score requests (each a list of texts) in one graph call: their texts are
         packed one after another, as if one request. Per request, in order: (rows, stats) or the
         InputError that kept it out of the call; the others are unaffected."""
         self._expect("score")
-        if len(requests) > self.task.max_batch:
-            raise ValueError(f"{len(requests)} requests exceed max_batch={self.task.max_batch}")
-        ids_np, cu_np = self._ids.numpy(), self._cu.numpy()
-        results: list = []
-        with self._lock, torch.inference_mode():
-            n = t = 0
-            spans = []  # (first text, texts, tokens) of each packed request
-            for texts in requests:
-                try:
-                    ni, ti = self.tokenizer.pack_texts(texts, ids_np[t:], cu_np[n:])
-                except InputError as e:
-                    results.append(e)
-                    continue
-                cu_np[n : n + ni + 1] += t  # its boundaries, shifted behind the requests before it
-                spans.append((n, ni, ti))
-                results.append(None)
-                n, t = n + ni, t + ti
-            if not spans:
-                return results
-            start = time.perf_counter()
-            ids = self._ids[:t].to(self.device, non_blocking=True)
-            cu = self._cu[: n + 1].to(self.device, non_blocking=True)
-            rows = self.graph(ids, cu).cpu().tolist()
-            graph_ms = (time.perf_counter() - start) * 1e3
-        it = iter(spans)
-        for i, result in enumerate(results):
-            if result is None:
-                first, ni, ti = next(it)
-                results[i] = rows[first : first + ni], CallStats(ni, ti, graph_ms, batch=len(spans))
-        return results
+        spans, outputs, graph_ms = self._call(requests, self.tokenizer.pack_texts)
+        batch = sum(not isinstance(s, InputError) for s in spans)
+        return [s if isinstance(s, InputError) else
+                (outputs[0][s[0] : s[0] + s[1]], CallStats(s[1], s[2], graph_ms, batch)) for s in spans]
 
     def run_beam(self, prompt: object) -> tuple[list[dict[str, Any]], "CallStats"]:
-        (result,) = self.run_beam_batch([prompt])
-        if isinstance(result, InputError):
-            raise result
-        return result
+        return _only(self.run_beam_batch([prompt]))
 
     def run_beam_batch(self, prompts: list[object]) -> list["tuple[list[dict[str, Any]], CallStats] | InputError"]:
         """Up to max_batch beam prompts in one graph call. Per prompt, in order: (candidates best
         first, stats) or the InputError that kept it out of the call; the others are unaffected."""
         self._expect("beam")
-        if len(prompts) > self.task.max_batch:
-            raise ValueError(f"{len(prompts)} requests exceed max_batch={self.task.max_batch}")
-        ids_np, cu_np = self._ids.numpy(), self._cu.numpy()
-        results: list = []
-        with self._lock, torch.inference_mode():
-            cu_np[0] = t = 0
-            lengths = []
-            for prompt in prompts:
-                try:
-                    n = self.tokenizer.pack_prompt(prompt, ids_np[t:])
-                except InputError as e:
-                    results.append(e)
-                    continue
-                t += n
-                lengths.append(n)
-                cu_np[len(lengths)] = t
-                results.append(None)
-            if not lengths:
-                return results
-            start = time.perf_counter()
-            ids = self._ids[:t].to(self.device, non_blocking=True)
-            cu = self._cu[: len(lengths) + 1].to(self.device, non_blocking=True)
-            tokens, ends, scores = (x.cpu().tolist() for x in self.graph(ids, cu))
-            graph_ms = (time.perf_counter() - start) * 1e3
-        answers = iter(zip(lengths, tokens, ends, scores))
-        for i, result in enumerate(results):
-            if result is None:
-                n, rows, row_ends, row_scores = next(answers)
-                candidates = [{"text": self.tokenizer.decode(ids[:end]), "token_ids": ids[:end], "score": score}
-                              for ids, end, score in zip(rows, row_ends, row_scores)]
-                results[i] = candidates, CallStats(1, n, graph_ms, batch=len(lengths))
+
+        def pack(prompt, ids_out, cu_out):  # one prompt is one sequence
+            cu_out[0], cu_out[1] = 0, self.tokenizer.pack_prompt(prompt, ids_out)
+            return 1, int(cu_out[1])
+
+        spans, outputs, graph_ms = self._call(prompts, pack)
+        batch = sum(not isinstance(s, InputError) for s in spans)
+        results = []
+        for span in spans:
+            if isinstance(span, InputError):
+                results.append(span)
+                continue
+            rows, ends, scores = (out[span[0]] for out in outputs)
+            candidates = [{"text": self.tokenizer.decode(ids[:end]), "token_ids": ids[:end], "score": score}
+                          for ids, end, score in zip(rows, ends, scores)]
+            results.append((candidates, CallStats(1, span[2], graph_ms, batch)))
         return results
+
+    def _call(self, requests: list[object], pack) -> tuple[list, list, float]:
+        """Pack each request behind the ones before it and run the graph once for all of them.
+        pack(request, ids_out, cu_out) writes one request's ids and its own boundaries (from 0)
+        and returns (sequences, tokens), or raises InputError having written nothing. Returns per
+        request its InputError or its span (first sequence, sequences, tokens); the graph's
+        outputs as host lists; the call's milliseconds from copy-in to results on the host."""
+        if len(requests) > self.task.max_batch:
+            raise ValueError(f"{len(requests)} requests exceed max_batch={self.task.max_batch}")
+        ids_np, cu_np = self._ids.numpy(), self._cu.numpy()
+        spans: list = []
+        with self._lock, torch.inference_mode():
+            n = t = 0
+            for request in requests:
+                try:
+                    ni, ti = pack(request, ids_np[t:], cu_np[n:])
+                except InputError as e:
+                    spans.append(e)
+                    continue
+                cu_np[n : n + ni + 1] += t  # its boundaries, shifted behind the requests before it
+                spans.append((n, ni, ti))
+                n, t = n + ni, t + ti
+            if n == 0:
+                return spans, [], 0.0
+            start = time.perf_counter()
+            out = self.graph(self._ids[:t].to(self.device, non_blocking=True),
+                             self._cu[: n + 1].to(self.device, non_blocking=True))
+            outputs = [x.cpu().tolist() for x in ((out,) if isinstance(out, torch.Tensor) else out)]
+            return spans, outputs, (time.perf_counter() - start) * 1e3
 
     def _expect(self, kind: str) -> None:
         if self.task.task != kind:
             raise TypeError(f"this engine runs a {self.task.task!r} task, not {kind!r}")
+
+
+def _only(results: list) -> Any:
+    """The one result of a batch of one, raising its InputError."""
+    (result,) = results
+    if isinstance(result, InputError):
+        raise result
+    return result
 
 
 @dataclass(frozen=True)
