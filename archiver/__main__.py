@@ -21,13 +21,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="attention implementation compiled into the graph (triton: CUDA builds only)")
     b.add_argument("--batch-delay-ms", type=int, default=1,
                    help="longest wait for more requests to batch (the task's max_batch sets how many)")
+    b.add_argument("--queue", type=int, default=100,
+                   help="requests that may wait for a worker; beyond them TorchServe answers 503 at once")
     args = parser.parse_args(argv)
 
     from archiver.build import build
 
     try:
         build(args.checkpoint, args.task, args.model_name, args.export_path, args.device, args.workers,
-              args.response_timeout, args.attention, args.batch_delay_ms)
+              args.response_timeout, args.attention, args.batch_delay_ms, args.queue)
     except (SpecError, FileNotFoundError) as e:
         print(f"slm-archiver: error: {e}", file=sys.stderr)
         return 2

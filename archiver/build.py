@@ -26,15 +26,18 @@ def progress(message: str) -> None:
     print(f"[archiver {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def model_config(device: str, workers: int, response_timeout: int, batch: int = 1, batch_delay_ms: int = 1) -> dict:
+def model_config(device: str, workers: int, response_timeout: int, batch: int = 1, batch_delay_ms: int = 1,
+                 queue: int = 100) -> dict:
     """TorchServe's per-model settings (model-config.yaml). A worker takes up to `batch` queued
     requests at once and waits at most `batch_delay_ms` for more: with 1 ms, what is queued goes
-    at once (TorchServe 0.12 stops collecting after one extra request when the delay is 0)."""
+    at once (TorchServe 0.12 stops collecting after one extra request when the delay is 0). At
+    most `queue` requests wait for a worker; the next ones get an immediate 503."""
     return {
         "minWorkers": workers,
         "maxWorkers": workers,
         "batchSize": batch,
         "maxBatchDelay": batch_delay_ms,
+        "jobQueueSize": queue,
         "responseTimeout": response_timeout,
         "deviceType": "gpu" if device.startswith("cuda") else "cpu",
     }
@@ -43,6 +46,7 @@ def model_config(device: str, workers: int, response_timeout: int, batch: int = 
 def build(
     checkpoint: str, task_path: str, model_name: str, export_path: str, device: str = "cpu",
     workers: int = 1, response_timeout: int = 120, attention: str = "reference", batch_delay_ms: int = 1,
+    queue: int = 100,
 ) -> Path:
     from model_archiver.model_archiver_config import ModelArchiverConfig
     from model_archiver.model_packaging import generate_model_archive
@@ -60,7 +64,7 @@ def build(
             src = Path(importlib.util.find_spec(name).submodule_search_locations[0])
             shutil.copytree(src, stage / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         config = Path(tmp) / "model-config.yaml"
-        settings = model_config(device, workers, response_timeout, task.max_batch, batch_delay_ms)
+        settings = model_config(device, workers, response_timeout, task.max_batch, batch_delay_ms, queue)
         config.write_text(yaml.safe_dump(settings, sort_keys=False))
         progress(f"writing {export / (model_name + '.mar')}")
         generate_model_archive(ModelArchiverConfig(

@@ -119,3 +119,33 @@ def test_bad_requests_get_4xx_json_and_hurt_nobody(server):
     assert status == 400 and "prompt must be a string" in json.loads(answer)["error"]
     assert sorted(w["pid"] for w in server.workers("tiny_score")) == pids
     assert server.predict("tiny_score", b'{"texts": ["still fine"]}')[0] == 200
+
+
+def test_a_full_queue_refuses_at_once_and_nothing_hangs(server, archives):
+    """tiny_score lets 30 requests wait for a worker (archiver --queue 30): the management API
+    shows that bound, and under a burst far above it every request ends with a correct 200 or
+    TorchServe's immediate 503 JSON, none hangs."""
+    status, body = http("GET", f"{server.management}/models/tiny_score")
+    assert json.loads(body)[0]["jobQueueStatus"]["remainingCapacity"] == 30, body
+    engine = load_package(archives["tiny_score"])
+    texts = ["search engines rank documents for a query"] * 8  # max_texts
+    expected = engine.score(texts)
+    results = []
+
+    def send():
+        results.append(server.predict("tiny_score", json.dumps({"texts": texts}).encode()))
+
+    threads = [threading.Thread(target=send) for _ in range(200)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(results) == 200  # none hung
+    for status, body in results:
+        assert status in (200, 503), (status, body)
+        if status == 200:
+            for row, ref in zip(json.loads(body)["scores"], expected):
+                assert row == pytest.approx(ref, abs=1e-6)
+        else:
+            assert json.loads(body)["code"] == 503
+    print(f"\n200 at once against a queue of 30: {sum(s == 503 for s, _ in results)} refused with 503")
