@@ -73,9 +73,10 @@ def prefill(lengths: list[int], hq: int, hkv: int, d: int) -> dict:
     ref = packed_attention_ref(q.float(), k.float(), v.float(), cu, scale)
     out = {"shape": f"{len(lengths)} seqs, {t} tokens, {hq}/{hkv} heads, d={d}", "results": {}}
     r = out["results"]
-    for bm, bn in ((64, 64), (128, 64), (64, 32)):
-        fn = lambda: packed_attention(q, k, v, cu, scale, max(lengths), bm, bn)  # noqa: E731
-        r[f"triton packed {bm}x{bn}"] = timed(fn, ref)
+    for bm, bn, warps, stages in ((64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (64, 32, 4, 3),
+                                  (32, 32, 2, 2)):
+        fn = lambda: packed_attention(q, k, v, cu, scale, max(lengths), bm, bn, warps, stages)  # noqa: E731
+        r[f"triton packed {bm}x{bn} w{warps} s{stages}"] = timed(fn, ref)
     r["reference (dense mask)"] = timed(lambda: packed_attention_ref(q, k, v, cu, scale), ref)
 
     # Padded flash: each token's row in the padded [N * Lmax] layout, computed once per request
@@ -141,9 +142,9 @@ def decode(width: int, prompts: list[int], suffix: int, hq: int, hkv: int, d: in
     out = {"shape": f"{len(prompts)} prompt(s) of {prompts} tokens x W={width}, Ls={suffix}, {hq}/{hkv} heads, d={d}",
            "results": {}}
     r = out["results"]
-    for bw, bn in ((16, 64), (8, 64), (32, 32)):
-        fn = lambda: prefix_suffix_attention(q, kp, vp, ks, vs, scale, cu, bw, bn)  # noqa: E731
-        r[f"triton prefix {bw}x{bn}"] = timed(fn, ref)
+    for bw, bn, warps, stages in ((16, 64, 4, 3), (16, 64, 4, 2), (8, 64, 4, 3), (32, 32, 4, 3), (16, 128, 8, 2)):
+        fn = lambda: prefix_suffix_attention(q, kp, vp, ks, vs, scale, cu, bw, bn, warps, stages)  # noqa: E731
+        r[f"triton prefix {bw}x{bn} w{warps} s{stages}"] = timed(fn, ref)
     fn = lambda: prefix_suffix_attention_ref(q, kp, vp, ks, vs, scale, cu)  # noqa: E731
     r["reference"] = timed(fn, ref)
 

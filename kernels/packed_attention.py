@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from kernels.online_softmax import online_softmax_block
+from kernels.online_softmax import launch_options, online_softmax_block
 
 
 @triton.jit
@@ -58,7 +58,7 @@ def _packed_attention_kernel(
 @triton_op("slm::packed_attention", mutates_args={})  # exports into AOTInductor graphs
 def packed_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float, max_seqlen: int,
-    block_m: int = 64, block_n: int = 64,
+    block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 3,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D]; cu_seqlens: [N+1] int32; max_seqlen: a bound on every
     sequence's length (the task bound: the grid is static). Returns [T, Hq, D] in q's dtype."""
@@ -73,6 +73,6 @@ def packed_attention(
     wrap_triton(_packed_attention_kernel)[grid](
         q, k, v, out, cu_seqlens, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
+        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, **launch_options(num_warps, num_stages),
     )
     return out

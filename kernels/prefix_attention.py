@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from kernels.online_softmax import online_softmax_block
+from kernels.online_softmax import launch_options, online_softmax_block
 
 
 @triton.jit
@@ -72,7 +72,8 @@ def _prefix_attention_kernel(
 @triton_op("slm::prefix_suffix_attention", mutates_args={})  # exports into AOTInductor graphs
 def prefix_suffix_attention(
     q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor, k_suffix: torch.Tensor, v_suffix: torch.Tensor,
-    scale: float, prefix_cu: torch.Tensor, block_w: int = 16, block_n: int = 64,
+    scale: float, prefix_cu: torch.Tensor, block_w: int = 16, block_n: int = 64, num_warps: int = 4,
+    num_stages: int = 3,
 ) -> torch.Tensor:
     """q: [B*W, Hq, D]; k/v_prefix: [T, Hkv, D] with prompt b at rows prefix_cu[b]..prefix_cu[b+1]-1;
     k/v_suffix: [B*W, S, Hkv, D]; prefix_cu: [B+1] int32. Returns [B*W, Hq, D]."""
@@ -94,5 +95,6 @@ def prefix_suffix_attention(
         k_suffix.stride(0), k_suffix.stride(1), k_suffix.stride(2), v_suffix.stride(0), v_suffix.stride(1),
         v_suffix.stride(2), out.stride(0), out.stride(1),
         SUFFIX=s, GROUP=hq // hkv, GROUP_PAD=triton.next_power_of_2(hq // hkv), HEAD_DIM=d, BLOCK_W=block_w, BLOCK_N=block_n,
+        **launch_options(num_warps, num_stages),
     )
     return out
