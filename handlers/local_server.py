@@ -121,10 +121,6 @@ class TorchServe:
         tail = log.read_text()[-3000:] if log.exists() else ""
         raise TimeoutError(f"{model}: {workers} worker(s) not ready after {timeout:.0f} s\n{tail}")
 
-    def unregister(self, model: str) -> None:
-        status, body = http("DELETE", f"{self.management}/models/{model}")
-        assert status == 200, body
-
     def workers(self, model: str) -> list[dict]:
         status, body = http("GET", f"{self.management}/models/{model}")
         assert status == 200, body

@@ -76,8 +76,7 @@ def prefix_suffix_attention_ref(
     q_pre = _to_layout(q.view(rows, hkv, g, d), (1, 0, 2, 3)).view(hkv, rows * g, d)
     s_pre = torch.bmm(q_pre, _to_layout(k_prefix, (1, 2, 0))).view(hkv, rows, g, t)
     prompt = torch.arange(rows, device=q.device) // (rows // (prefix_cu.shape[0] - 1))  # [B*W]
-    key = torch.arange(t, device=q.device)
-    own = (key[None, :] >= prefix_cu[prompt][:, None]) & (key[None, :] < prefix_cu[prompt + 1][:, None])
+    own = sequence_of_tokens(prefix_cu, t)[None, :] == prompt[:, None]  # [B*W, T]
     s_pre = s_pre.masked_fill(~own[None, :, None, :], float("-inf"))
     # Suffix: each beam against its own tokens.
     q_suf = q.float().reshape(rows * hkv, g, d)
