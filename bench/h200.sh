@@ -5,9 +5,14 @@
 #   bash bench/h200.sh check   # the fast GPU tests: kernels at full size, CUDA engine vs transformers, export
 #   bash bench/h200.sh check-full  # every GPU test (adds AOTInductor builds and a CUDA TorchServe worker)
 #   bash bench/h200.sh kernels # the attention kernel bench
-#   bash bench/h200.sh bench   # the measured run: noop ceiling, sweeps, report, PNGs
-#   bash bench/h200.sh levers  # issue 6: slm workers and cross-request batching, W1-W3
-#   bash bench/h200.sh profile # where one request's time goes, per built slm archive
+#   bash bench/h200.sh bench   # the measured run: noop ceiling, every $SLM deployment and the HF
+#                              # peer on W1-W3, served-answer check, report, PNGs
+#   bash bench/h200.sh profile # where one request's time goes, per built Triton slm archive
+#   bash bench/h200.sh start   # all of the above in the background (build beside check and kernels,
+#                              # then bench, then profile) into .bench-work/out, then follow
+#   bash bench/h200.sh follow  # wait (up to $FOLLOW s, default 560) for it; copy what is done to $OUT
+# The pipeline (`start`) outlives the call: a process in its own session runs on while the machine
+# stays warm, so each next call is just `follow`, back to back (the machine goes back when idle).
 # Needs: carry [".devbundle", "bench/assets"]; $OUT (the device tool's output folder); $COMMIT.
 set -u
 source .devbundle/setup.sh
@@ -15,6 +20,9 @@ WORK=.bench-work
 COMMIT=${COMMIT:-unknown}
 # every slm archive the steps below use: attention:workers:batch (the workers do not need a build)
 VARIANTS=reference:1:1,triton:1:1,triton:1:8
+# the deployments measured: kernels or not, then issue 6's levers (a second worker, batches of 8)
+SLM=reference:1:1,triton:1:1,triton:2:1,triton:1:8,triton:2:8
+PIPE=$WORK/out
 ARGS=(--device cuda --tokenizer bench/assets/tokenizer.json --work "$WORK" --commit "$COMMIT")
 
 case "$1" in
@@ -27,14 +35,10 @@ check-full)
 kernels)
     python3 -m bench.kernels_bench --out "$OUT/kernels_bench.json" ;;
 bench)
-    python3 -m bench.run "${ARGS[@]}" --out "$OUT" --warmup 2 --duration 4 "${@:2}"
-    python3 -m bench.report "$OUT"/*_bench.jsonl --png-dir "$OUT" ;;
-levers)
-    python3 -m bench.run "${ARGS[@]}" --out "$OUT" --warmup 1 --duration 3 --systems slm \
-        --slm triton:1:1,triton:2:1,triton:1:8,triton:2:8 "${@:2}"
+    python3 -m bench.run "${ARGS[@]}" --out "$OUT" --warmup 1.5 --duration 3 --slm "$SLM" --no-build "${@:2}"
     python3 -m bench.report "$OUT"/*_bench.jsonl --png-dir "$OUT" ;;
 profile)
-    for mar in "$WORK"/model-store/slm_*.mar; do
+    for mar in "$WORK"/model-store/slm_*_triton_*.mar; do
         name=$(basename "$mar" .mar)
         [ -d "$WORK/unpacked/$name" ] || python3 -m zipfile -e "$mar" "$WORK/unpacked/$name"
         case "$name" in *score*) ws=W1 ;; *) ws="W2 W3" ;; esac
@@ -44,6 +48,26 @@ profile)
                 --tokenizer bench/assets/tokenizer.json --out "$OUT/profile_${w}_${name}.txt"
         done
     done ;;
+all)
+    export OUT=$PIPE
+    mkdir -p "$OUT"
+    bash "$0" build > "$OUT/build.log" 2>&1 &
+    { bash "$0" check > "$OUT/check.log" 2>&1; bash "$0" kernels > "$OUT/kernels.log" 2>&1; } &
+    wait
+    bash "$0" bench > "$OUT/bench.log" 2>&1
+    bash "$0" profile > "$OUT/profile.log" 2>&1
+    touch "$OUT/DONE" ;;
+start)
+    mkdir -p "$PIPE" && cp "$0" "$WORK/pipeline.sh"  # runs from a copy: the next call re-sends the tree
+    COMMIT=$COMMIT setsid nohup bash "$WORK/pipeline.sh" all > "$WORK/pipeline.log" 2>&1 < /dev/null &
+    sleep 5
+    bash "$0" follow ;;
+follow)
+    end=$((SECONDS + ${FOLLOW:-560}))
+    while [ ! -e "$PIPE/DONE" ] && [ $SECONDS -lt $end ]; do sleep 5; done
+    cp -r "$PIPE"/. "$OUT"/ 2>/dev/null; cp "$WORK"/pipeline.log "$WORK"/build-*.log "$OUT"/ 2>/dev/null
+    for f in "$PIPE"/*.log; do echo "== $f"; tail -n 8 "$f"; done
+    [ -e "$PIPE/DONE" ] && echo PIPELINE DONE || echo "PIPELINE RUNNING (follow again)" ;;
 *)
-    echo "usage: bench/h200.sh build|check|check-full|kernels|bench|levers|profile" >&2; exit 2 ;;
+    echo "usage: bench/h200.sh build|check|check-full|kernels|bench|profile|start|follow" >&2; exit 2 ;;
 esac

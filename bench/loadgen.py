@@ -21,6 +21,7 @@ class Point:
     errors: int
     seconds: float
     request_indices: tuple[int, ...]  # which bodies completed in the window (for FLOP counting)
+    window_start: float = 0.0  # unix time the measuring window opened (to match TorchServe's metric logs)
 
     def meets_slo(self, mean_ms: float = 20.0, p99_ms: float = 80.0) -> bool:
         return self.completed > 0 and self.errors == 0 and self.mean_ms < mean_ms and self.p99_ms < p99_ms
@@ -38,6 +39,7 @@ async def _run(url: str, bodies: list[bytes], concurrency: int, warmup: float, d
     counter = 0
     start = time.perf_counter()
     window = (start + warmup, start + warmup + duration)
+    window_start = time.time() + warmup
     connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
@@ -70,6 +72,7 @@ async def _run(url: str, bodies: list[bytes], concurrency: int, warmup: float, d
         p50_ms=percentile(latencies, 50) if n else float("nan"),
         p99_ms=percentile(latencies, 99) if n else float("nan"),
         completed=n, errors=errors, seconds=duration, request_indices=tuple(done),
+        window_start=window_start,
     )
 
 

@@ -61,11 +61,12 @@ def slm_build(name: str, checkpoint: Path, task: dict, store: Path, device: str,
             "--attention", attention, "--response-timeout", "600"]
 
 
-def build_all(commands: dict[str, list[str]], jobs: int, work: Path) -> None:
+def build_all(commands: dict[str, list[str]], jobs: int, work: Path) -> set[str]:
     """Run the archiver commands, `jobs` at a time (AOTInductor compiles are mostly single-threaded
     C++ and Triton compiles, so independent archives overlap well on a many-core host). Each build
-    logs to work/build-<name>.log; its archiver lines are echoed when it ends."""
-    def one(name: str, argv: list[str]) -> None:
+    logs to work/build-<name>.log; its archiver lines are echoed when it ends. Returns the names that
+    failed (their tail is logged): the run goes on without them."""
+    def one(name: str, argv: list[str]) -> bool:
         path = work / f"build-{name}.log"
         start = time.monotonic()
         with path.open("wb") as f:
@@ -75,12 +76,14 @@ def build_all(commands: dict[str, list[str]], jobs: int, work: Path) -> None:
             if line.startswith("[archiver"):
                 print(f"{name}: {line}", file=sys.stderr, flush=True)
         if rc:
-            raise RuntimeError(f"building {name} failed ({rc}):\n" + "\n".join(lines[-40:]))
+            log(f"FAILED building {name} ({rc}):\n" + "\n".join(lines[-40:]))
+            return False
         log(f"built {name} in {time.monotonic() - start:.0f} s")
+        return True
 
     with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
-        for future in [pool.submit(one, n, argv) for n, argv in commands.items()]:
-            future.result()
+        futures = {n: pool.submit(one, n, argv) for n, argv in commands.items()}
+    return {n for n, f in futures.items() if not f.result()}
 
 
 def archive_handler(name: str, handler: Path, extra: dict, store: Path, device: str, work: Path) -> None:
@@ -125,6 +128,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=64, help="distinct request bodies per workload")
     p.add_argument("--jobs", type=int, default=1, help="archives built at once")
     p.add_argument("--build-only", action="store_true", help="build the archives into --work and stop")
+    p.add_argument("--no-build", action="store_true", help="measure only the slm archives already in --work")
     p.add_argument("--load-timeout", type=float, default=420.0, help="seconds for every deployment to load")
     p.add_argument("--commit", default="unknown")
     p.add_argument("--smoke", action="store_true", help="CPU, SmolLM2, tiny requests, 1 s points")
@@ -164,9 +168,12 @@ def main() -> None:
                             store, args.device, work)
             deployments += [Deployment("hf", f"hf_{model}_x{n}", f"hf_{model}.mar", n) for n in hf_workers]
     archive_handler("noop", BENCH / "noop_handler.py", {}, store, "cpu", work)
-    build_all(builds, args.jobs, work)
+    failed = set(builds) if args.no_build else build_all(builds, args.jobs, work)
+    deployments = [d for d in deployments if d.mar.removesuffix(".mar") not in failed]
+    if failed:
+        log(f"SKIPPED (not built): {sorted(failed)}")
     if args.build_only:
-        return
+        sys.exit(1 if failed else 0)
 
     server_dir = work / f"server-{stamp}"
     server_dir.mkdir()
@@ -201,11 +208,15 @@ def main() -> None:
                 log(f"{d.name}: {d.workers} worker(s) ready after {time.monotonic() - start:.0f} s")
             except TimeoutError as e:
                 log(f"SKIPPED {e}")
+        bodies = {w.name: TextMaker(tokenizers[w.name], seed=1).requests(w, args.requests) for w in workloads.values()}
+        checks = [served_check(server, w.name, bodies[w.name][:3], [d for d in deployments if d in ready and
+                                                                     d.name.startswith(f"{d.system}_{w.model}_")])
+                  for w in workloads.values()]
+        (out / f"{stamp}_served_check.json").write_text(json.dumps(checks, indent=1))
         for w in workloads.values():
             spec = specs[w.name]
-            bodies = TextMaker(tokenizers[w.name], seed=1).requests(w, args.requests)
-            per_body = [request_flops(w, spec, tokenizers[w.name], b) for b in bodies]
-            encoded = [json.dumps(b).encode() for b in bodies]
+            per_body = [request_flops(w, spec, tokenizers[w.name], b) for b in bodies[w.name]]
+            encoded = [json.dumps(b).encode() for b in bodies[w.name]]
             for d in deployments:
                 if d.name.startswith(f"{d.system}_{w.model}_") and d in ready:
                     sweep(f"{server.inference}/predictions/{d.name}", encoded, LEVELS[:2] if args.smoke else LEVELS,
@@ -213,7 +224,8 @@ def main() -> None:
                           on_point=lambda pt: record(d, w.name, pt, mean_flops(pt, per_body)))
     finally:
         server.stop()
-        for name in ("ts_log.log", "model_log.log"):  # the server's own account, next to the records
+        # the server's own account (and its per-request metric lines), next to the records
+        for name in ("ts_log.log", "model_log.log", "ts_metrics.log", "model_metrics.log"):
             if (path := server_dir / "logs" / name).exists():
                 (out / f"{stamp}_{name.replace('.log', '.txt')}").write_bytes(path.read_bytes()[-500_000:])
     log(f"wrote {results}")
@@ -229,6 +241,48 @@ class Deployment:
     workers: int
     attention: str | None = None  # slm: reference | triton
     batch: int = 1  # slm score: requests per graph call
+
+
+def served_check(server: TorchServe, workload: str, bodies: list[dict], deployments: list[Deployment]) -> dict:
+    """Send the same requests to every deployment of a workload and compare each answer with the HF
+    peer's (or the first deployment's): score, the largest label-probability difference; beam, the
+    share of candidate token sequences in common and whether the best candidate is the same."""
+    import urllib.request
+
+    def ask(d: Deployment, body: dict) -> dict:
+        req = urllib.request.Request(f"{server.inference}/predictions/{d.name}", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.loads(r.read())
+
+    if not deployments:
+        return {"workload": workload, "against": None, "deployments": {}}
+    base = next((d for d in deployments if d.system == "hf"), deployments[0])
+    try:
+        want = [ask(base, b) for b in bodies]
+    except OSError as e:  # urllib's HTTP and connection errors
+        log(f"served check {workload}: {base.name} failed: {e}")
+        return {"workload": workload, "against": base.name, "error": str(e)}
+    result = {}
+    for d in deployments:
+        if d is base:
+            continue
+        try:
+            got = [ask(d, b) for b in bodies]
+        except OSError as e:
+            got, result[d.name] = None, {"error": str(e)}
+        if got is None:
+            pass
+        elif "scores" in want[0]:
+            result[d.name] = {"max_abs_dp": max(abs(p - q) for a, b in zip(want, got) for ra, rb in
+                                                zip(a["scores"], b["scores"]) for p, q in zip(ra, rb))}
+        else:
+            shared = [len({tuple(c["token_ids"]) for c in a["candidates"]} & {tuple(c["token_ids"]) for c in b["candidates"]})
+                      / len(a["candidates"]) for a, b in zip(want, got)]
+            result[d.name] = {"min_shared": min(shared), "same_best": sum(
+                a["candidates"][0]["token_ids"] == b["candidates"][0]["token_ids"] for a, b in zip(want, got))}
+        log(f"served check {workload} {d.name} vs {base.name}: {result[d.name]}")
+    return {"workload": workload, "against": base.name, "requests": len(bodies), "deployments": result}
 
 
 def mean_flops(point, per_body: list[int]) -> float:

@@ -75,3 +75,9 @@ def test_harness_smoke_on_cpu(demo, tmp_path):
     report = table(records)
     assert "| W1 | slm (reference) |" in report and "| W2 | hf |" in report and "ceiling" in report
     assert len(plot(records, out, results.stem)) == 2
+    # served answers compared with the peer's: the fp32 CPU engine and transformers agree closely
+    checks = {c["workload"]: c for c in json.loads(next(out.glob("*_served_check.json")).read_text())}
+    assert checks["W1"]["against"] == "hf_smollm2_intent_x1"
+    assert checks["W1"]["deployments"]["slm_smollm2_intent_reference_b1_x1"]["max_abs_dp"] < 1e-2
+    assert checks["W2"]["deployments"]["slm_smollm2_complete_reference_b1_x1"]["same_best"] == 3
+    assert all(r["window_start"] > 0 for r in records)
