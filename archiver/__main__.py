@@ -17,19 +17,23 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--device", default="cpu", help="cpu or cuda: where the archive will serve (build there)")
     b.add_argument("--workers", type=int, default=1, help="TorchServe workers for this model (model-config.yaml)")
     b.add_argument("--response-timeout", type=int, default=120, help="seconds before TorchServe restarts a worker")
-    b.add_argument("--attention", choices=["reference", "triton"], default="reference",
-                   help="attention implementation compiled into the graph (triton: CUDA builds only)")
+    b.add_argument("--attention", choices=["reference", "triton"],
+                   help="attention compiled into the graph: triton (CUDA only; the default there, faster at "
+                        "every measured shape, bench/RESULTS.md) or the PyTorch reference (the CPU default)")
+    b.add_argument("--cuda-graphs", choices=["on", "off"], default="on",
+                   help="CUDA builds: replay each call from a CUDA graph captured per input-size bucket")
     b.add_argument("--batch-delay-ms", type=int, default=1,
                    help="longest wait for more requests to batch (the task's max_batch sets how many)")
     b.add_argument("--queue", type=int, default=100,
                    help="requests that may wait for a worker; beyond them TorchServe answers 503 at once")
     args = parser.parse_args(argv)
+    attention = args.attention or ("triton" if args.device.startswith("cuda") else "reference")
 
     from archiver.build import build
 
     try:
         build(args.checkpoint, args.task, args.model_name, args.export_path, args.device, args.workers,
-              args.response_timeout, args.attention, args.batch_delay_ms, args.queue)
+              args.response_timeout, attention, args.batch_delay_ms, args.queue, args.cuda_graphs == "on")
     except (SpecError, FileNotFoundError) as e:
         print(f"slm-archiver: error: {e}", file=sys.stderr)
         return 2

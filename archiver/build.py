@@ -27,11 +27,12 @@ def progress(message: str) -> None:
 
 
 def model_config(device: str, workers: int, response_timeout: int, batch: int = 1, batch_delay_ms: int = 1,
-                 queue: int = 100) -> dict:
+                 queue: int = 100, cuda_graphs: bool = True) -> dict:
     """TorchServe's per-model settings (model-config.yaml). A worker takes up to `batch` queued
     requests at once and waits at most `batch_delay_ms` for more: with 1 ms, what is queued goes
     at once (TorchServe 0.12 stops collecting after one extra request when the delay is 0). At
-    most `queue` requests wait for a worker; the next ones get an immediate 503."""
+    most `queue` requests wait for a worker; the next ones get an immediate 503. The `handler`
+    section is the handler's own (ctx.model_yaml_config)."""
     return {
         "minWorkers": workers,
         "maxWorkers": workers,
@@ -40,13 +41,14 @@ def model_config(device: str, workers: int, response_timeout: int, batch: int = 
         "jobQueueSize": queue,
         "responseTimeout": response_timeout,
         "deviceType": "gpu" if device.startswith("cuda") else "cpu",
+        "handler": {"cuda_graphs": cuda_graphs},
     }
 
 
 def build(
     checkpoint: str, task_path: str, model_name: str, export_path: str, device: str = "cpu",
     workers: int = 1, response_timeout: int = 120, attention: str = "reference", batch_delay_ms: int = 1,
-    queue: int = 100,
+    queue: int = 100, cuda_graphs: bool = True,
 ) -> Path:
     from model_archiver.model_archiver_config import ModelArchiverConfig
     from model_archiver.model_packaging import generate_model_archive
@@ -64,7 +66,7 @@ def build(
             src = Path(importlib.util.find_spec(name).submodule_search_locations[0])
             shutil.copytree(src, stage / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         config = Path(tmp) / "model-config.yaml"
-        settings = model_config(device, workers, response_timeout, task.max_batch, batch_delay_ms, queue)
+        settings = model_config(device, workers, response_timeout, task.max_batch, batch_delay_ms, queue, cuda_graphs)
         config.write_text(yaml.safe_dump(settings, sort_keys=False))
         progress(f"writing {export / (model_name + '.mar')}")
         generate_model_archive(ModelArchiverConfig(

@@ -7,10 +7,11 @@
 #   bash bench/h200.sh kernels # the attention kernel bench
 #   bash bench/h200.sh bench   # the measured run: noop ceiling, every $SLM deployment and the HF
 #                              # peer on W1-W3, served-answer check, report, PNGs
-#   bash bench/h200.sh profile # where one request's time goes, per built Triton slm archive
-#   bash bench/h200.sh start   # all of the above in the background (build beside check and kernels,
-#                              # then bench, then profile) into .bench-work/out, then follow
-#   bash bench/h200.sh follow  # wait (up to $FOLLOW s, default 560) for it; copy what is done to $OUT
+#   bash bench/h200.sh profile # where one request's time goes, per Triton archive, CUDA graphs on/off
+#   bash bench/h200.sh start   # in the background: build beside check, then bench, then profile,
+#                              # into .bench-work/out; then follow
+#   bash bench/h200.sh follow  # wait (up to $FOLLOW s, default 560) for it; what is done comes back
+#                              # as $OUT/pipeline.tgz
 # The pipeline (`start`) outlives the call: a process in its own session runs on while the machine
 # stays warm, so each next call is just `follow`, back to back (the machine goes back when idle).
 # Needs: carry [".devbundle", "bench/assets"]; $OUT (the device tool's output folder); $COMMIT.
@@ -19,9 +20,10 @@ source .devbundle/setup.sh
 WORK=.bench-work
 COMMIT=${COMMIT:-unknown}
 # every slm archive the steps below use: attention:workers:batch (the workers do not need a build)
-VARIANTS=reference:1:1,triton:1:1,triton:1:8
-# the deployments measured: kernels or not, then issue 6's levers (a second worker, batches of 8)
-SLM=reference:1:1,triton:1:1,triton:2:1,triton:1:8,triton:2:8
+VARIANTS=${VARIANTS:-triton:1:8}
+# the deployments measured: CUDA graphs or not (issue 6), a second worker; run 2026-11-29T134254Z
+# measured reference attention, batch 1 and batch 8 (bench/RESULTS.md)
+SLM=${SLM:-triton:1:8,triton:1:8:nographs,triton:2:8}
 PIPE=$WORK/out
 ARGS=(--device cuda --tokenizer bench/assets/tokenizer.json --work "$WORK" --commit "$COMMIT")
 
@@ -35,24 +37,28 @@ check-full)
 kernels)
     python3 -m bench.kernels_bench --out "$OUT/kernels_bench.json" ;;
 bench)
-    python3 -m bench.run "${ARGS[@]}" --out "$OUT" --warmup 1.5 --duration 3 --slm "$SLM" --no-build "${@:2}"
+    python3 -m bench.run "${ARGS[@]}" --out "$OUT" --warmup 1.5 --duration 3 --slm "$SLM" --no-build \
+        --workloads W3,W2,W1 --hf-workers 4 "${@:2}"
     python3 -m bench.report "$OUT"/*_bench.jsonl --png-dir "$OUT" ;;
 profile)
-    for mar in "$WORK"/model-store/slm_*_triton_*.mar; do
+    # one request per call, with and without CUDA graphs, per built Triton archive
+    for mar in "$WORK"/model-store/slm_*_triton_b?.mar; do
         name=$(basename "$mar" .mar)
         [ -d "$WORK/unpacked/$name" ] || python3 -m zipfile -e "$mar" "$WORK/unpacked/$name"
         case "$name" in *score*) ws=W1 ;; *) ws="W2 W3" ;; esac
-        batch=${name##*_b}
         for w in $ws; do
-            python3 -m bench.profile --package "$WORK/unpacked/$name" --workload "$w" --batch "$batch" \
-                --tokenizer bench/assets/tokenizer.json --out "$OUT/profile_${w}_${name}.txt"
+            for graphs in on off; do
+                python3 -m bench.profile --package "$WORK/unpacked/$name" --workload "$w" --batch 1 \
+                    --cuda-graphs $graphs --tokenizer bench/assets/tokenizer.json \
+                    --out "$OUT/profile_${w}_${name}_graphs_${graphs}.txt"
+            done
         done
     done ;;
 all)
     export OUT=$PIPE
     mkdir -p "$OUT"
     bash "$0" build > "$OUT/build.log" 2>&1 &
-    { bash "$0" check > "$OUT/check.log" 2>&1; bash "$0" kernels > "$OUT/kernels.log" 2>&1; } &
+    bash "$0" check > "$OUT/check.log" 2>&1 &
     wait
     bash "$0" bench > "$OUT/bench.log" 2>&1
     bash "$0" profile > "$OUT/profile.log" 2>&1
@@ -65,7 +71,8 @@ start)
 follow)
     end=$((SECONDS + ${FOLLOW:-560}))
     while [ ! -e "$PIPE/DONE" ] && [ $SECONDS -lt $end ]; do sleep 5; done
-    cp -r "$PIPE"/. "$OUT"/ 2>/dev/null; cp "$WORK"/pipeline.log "$WORK"/build-*.log "$OUT"/ 2>/dev/null
+    # one file back (the device tool returns a handful of files per call)
+    tar czf "$OUT/pipeline.tgz" -C "$WORK" out pipeline.log $(cd "$WORK" && ls build-*.log 2>/dev/null)
     for f in "$PIPE"/*.log; do echo "== $f"; tail -n 8 "$f"; done
     [ -e "$PIPE/DONE" ] && echo PIPELINE DONE || echo "PIPELINE RUNNING (follow again)" ;;
 *)

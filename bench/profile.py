@@ -33,9 +33,11 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--batch", type=int, default=1, help="requests per handler call (score: the archive's max_batch)")
+    p.add_argument("--cuda-graphs", choices=["on", "off"], default="on")
     args = p.parse_args()
 
-    engine = load_package(args.package, gpu_id=0 if torch.cuda.is_available() else None)
+    engine = load_package(args.package, gpu_id=0 if torch.cuda.is_available() else None,
+                          cuda_graphs=args.cuda_graphs == "on")
     workload = WORKLOADS[args.workload]
     bodies = TextMaker(Tokenizer.from_file(str(args.tokenizer)), seed=2).requests(workload, args.batch)
     body = bodies[0]
@@ -77,7 +79,8 @@ def main() -> None:
         parts["gpu_kernels_per_call"] = kernels_launched / args.repeat
         parts["gpu_busy_share_of_graph_call"] = busy / parts["graph_ms (copy-in + graph + copy-out)"]
     kernels = averages.table(sort_by=sort, row_limit=25)
-    args.out.write_text(f"{args.workload}, {args.batch} request(s) per call, {args.repeat} repeats, {engine.device}\n"
+    args.out.write_text(f"{args.workload}, {args.batch} request(s) per call, {args.repeat} repeats, {engine.device}, "
+                        f"CUDA graphs {args.cuda_graphs}\n"
                         + json.dumps(parts, indent=2) + "\n\n" + kernels + "\n")
     print(json.dumps(parts, indent=2))
 

@@ -119,9 +119,10 @@ def main() -> None:
     p.add_argument("--out", default=str(BENCH / "results"))
     p.add_argument("--workloads", default="W1,W2,W3")
     p.add_argument("--systems", default="slm,hf")
-    p.add_argument("--slm", help="slm variants to measure, comma-separated ATTENTION:WORKERS:BATCH, e.g. "
-                                 "triton:2:8 (BATCH: requests per graph call). "
-                                 "Default: reference:1:1,triton:1:1 on cuda, reference:1:1 on cpu")
+    p.add_argument("--slm", help="slm variants to measure, comma-separated ATTENTION:WORKERS:BATCH[:nographs], e.g. "
+                                 "triton:2:8 (BATCH: requests per graph call; nographs: the same archive served "
+                                 "without CUDA graphs). Default: triton:1:1,triton:1:1:nographs on cuda, "
+                                 "reference:1:1 on cpu")
     p.add_argument("--hf-workers", default="1,4", help="peer worker counts to try; the best is kept")
     p.add_argument("--warmup", type=float, default=2.0)
     p.add_argument("--duration", type=float, default=6.0)
@@ -134,14 +135,14 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="CPU, SmolLM2, tiny requests, 1 s points")
     args = p.parse_args()
 
-    work, out = Path(args.work), Path(args.out)
+    work, out = Path(args.work).resolve(), Path(args.out).resolve()
     store = work / "model-store"
     for d in (work, store, out):
         d.mkdir(parents=True, exist_ok=True)
     workloads, checkpoints, tokenizers, specs = plan(args, work)
     systems = args.systems.split(",")
-    variants = [tuple(v.split(":")) for v in (args.slm or ("reference:1:1,triton:1:1" if args.device == "cuda"
-                                                            else "reference:1:1")).split(",")]
+    variants = [(v.split(":") + [""])[:4] for v in (args.slm or ("triton:1:1,triton:1:1:nographs"
+                                                                  if args.device == "cuda" else "reference:1:1")).split(",")]
     hf_workers = [int(n) for n in args.hf_workers.split(",")]
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H%M%SZ")
     results = out / f"{stamp}_{'smoke' if args.smoke else 'bench'}.jsonl"
@@ -152,14 +153,16 @@ def main() -> None:
     deployments, builds = [], {}
     for model, w in {w.model: w for w in workloads.values()}.items():
         if "slm" in systems:
-            for attention, workers, batch in variants:
+            for attention, workers, batch, option in variants:
                 batch = int(batch)
                 mar = f"slm_{model}_{attention}_b{batch}"
                 task = {**w.task, "max_batch": batch}
                 if mar not in builds and (argv := slm_build(mar, checkpoints[w.name], task, store, args.device,
                                                             attention, work)):
                     builds[mar] = argv
-                d = Deployment("slm", f"{mar}_x{workers}", f"{mar}.mar", int(workers), attention, batch)
+                served = f"{mar}_{option}" if option else mar  # nographs: a copy whose handler settings say so
+                d = Deployment("slm", f"{served}_x{workers}", f"{served}.mar", int(workers), attention, batch,
+                               cuda_graphs=option != "nographs")
                 if d not in deployments:
                     deployments.append(d)
         if "hf" in systems:
@@ -172,6 +175,11 @@ def main() -> None:
     deployments = [d for d in deployments if d.mar.removesuffix(".mar") not in failed]
     if failed:
         log(f"SKIPPED (not built): {sorted(failed)}")
+    for d in deployments:
+        src = store / d.mar.replace("_nographs", "")
+        if not d.cuda_graphs and not (store / d.mar).exists() and src.exists():
+            without_cuda_graphs(src, store / d.mar)
+    deployments = [d for d in deployments if d.system != "slm" or (store / d.mar).exists()]
     if args.build_only:
         sys.exit(1 if failed else 0)
 
@@ -180,7 +188,8 @@ def main() -> None:
     server = TorchServe(server_dir, store).start()
 
     def record(d: Deployment, workload: str, point, flops_per_request: float) -> None:
-        rec = {"system": d.system, "attention": d.attention, "batch": d.batch, "workload": workload,
+        rec = {"system": d.system, "attention": d.attention, "batch": d.batch, "cuda_graphs": d.cuda_graphs,
+               "workload": workload,
                "workers": d.workers, **dataclasses.asdict(point), **meta, "flops_per_request": flops_per_request,
                # every FLOP is bf16 until an FP8 build exists, so the two figures agree
                "mfu_effective": flops.mfu(point.qps, flops_per_request), "mfu_bf16": flops.mfu(point.qps, flops_per_request)}
@@ -241,6 +250,21 @@ class Deployment:
     workers: int
     attention: str | None = None  # slm: reference | triton
     batch: int = 1  # slm score: requests per graph call
+    cuda_graphs: bool = True  # slm on CUDA: calls replay CUDA graphs
+
+
+def without_cuda_graphs(src: Path, dst: Path) -> None:
+    """A copy of the archive `src` whose model-config.yaml turns the handler's CUDA graphs off."""
+    import zipfile
+
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as zout:
+        for item in zin.infolist():
+            data = zin.read(item.filename)
+            if item.filename == "model-config.yaml":
+                config = yaml.safe_load(data)
+                config["handler"] = {**(config.get("handler") or {}), "cuda_graphs": False}
+                data = yaml.safe_dump(config, sort_keys=False).encode()
+            zout.writestr(item, data)
 
 
 def served_check(server: TorchServe, workload: str, bodies: list[dict], deployments: list[Deployment]) -> dict:

@@ -18,8 +18,10 @@ class SlmHandler:
 
     def initialize(self, ctx) -> None:
         props = ctx.system_properties
-        self.engine = load_package(props["model_dir"], props.get("gpu_id"))
-        log.info("loaded %s task on %s", self.engine.task.task, self.engine.device)
+        settings = (getattr(ctx, "model_yaml_config", None) or {}).get("handler") or {}
+        self.engine = load_package(props["model_dir"], props.get("gpu_id"), settings.get("cuda_graphs", True))
+        log.info("loaded %s task on %s (CUDA graphs: %s)", self.engine.task.task, self.engine.device,
+                 self.engine.replay is not None)
 
     def handle(self, data: list[dict], ctx) -> list[bytes]:
         replies = []

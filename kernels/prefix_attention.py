@@ -72,11 +72,13 @@ def _prefix_attention_kernel(
 @triton_op("slm::prefix_suffix_attention", mutates_args={})  # exports into AOTInductor graphs
 def prefix_suffix_attention(
     q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor, k_suffix: torch.Tensor, v_suffix: torch.Tensor,
-    scale: float, prefix_cu: torch.Tensor, block_w: int = 16, block_n: int = 64, num_warps: int = 4,
+    scale: float, prefix_cu: torch.Tensor, block_w: int = 0, block_n: int = 64, num_warps: int = 4,
     num_stages: int = 3,
 ) -> torch.Tensor:
     """q: [B*W, Hq, D]; k/v_prefix: [T, Hkv, D] with prompt b at rows prefix_cu[b]..prefix_cu[b+1]-1;
-    k/v_suffix: [B*W, S, Hkv, D]; prefix_cu: [B+1] int32. Returns [B*W, Hq, D]."""
+    k/v_suffix: [B*W, S, Hkv, D]; prefix_cu: [B+1] int32. Returns [B*W, Hq, D]. block_w: beams per
+    program; 0 picks 64 M rows (beams x query heads per kv head, padded to a power of two), the
+    fastest on the H200 at W=100 and 400 (bench/RESULTS.md: 2.6-3x over 128 rows)."""
     rows, hq, d = q.shape
     hkv = k_prefix.shape[1]
     s = k_suffix.shape[1]
@@ -87,6 +89,8 @@ def prefix_suffix_attention(
     if any(t.stride(-1) != 1 for t in (q, k_prefix, v_prefix, k_suffix, v_suffix)):
         raise ValueError("prefix_suffix_attention: the head dimension must be contiguous")
     width = rows // prompts  # the beams of one prompt (rows are a whole number of prompts' beams)
+    group_pad = triton.next_power_of_2(hq // hkv)
+    block_w = block_w or max(1, 64 // group_pad)
     out = torch.empty_like(q)
     grid = (triton.cdiv(width, block_w), hkv, prompts)
     wrap_triton(_prefix_attention_kernel)[grid](
@@ -94,7 +98,7 @@ def prefix_suffix_attention(
         q.stride(0), q.stride(1), k_prefix.stride(0), k_prefix.stride(1), v_prefix.stride(0), v_prefix.stride(1),
         k_suffix.stride(0), k_suffix.stride(1), k_suffix.stride(2), v_suffix.stride(0), v_suffix.stride(1),
         v_suffix.stride(2), out.stride(0), out.stride(1),
-        SUFFIX=s, GROUP=hq // hkv, GROUP_PAD=triton.next_power_of_2(hq // hkv), HEAD_DIM=d, BLOCK_W=block_w, BLOCK_N=block_n,
+        SUFFIX=s, GROUP=hq // hkv, GROUP_PAD=group_pad, HEAD_DIM=d, BLOCK_W=block_w, BLOCK_N=block_n,
         **launch_options(num_warps, num_stages),
     )
     return out

@@ -37,17 +37,20 @@ def build_graph(ckpt: Checkpoint, task: TaskSpec, runtime: RuntimeSpec) -> tuple
 
 
 class Engine:
-    """Runs one task's graph. Buffers for one request are preallocated to the task bounds; calls are
-    serialised by a lock (the request-context pool for concurrent calls belongs to the runtime)."""
+    """Runs one task's graph. Buffers for one call are preallocated to the task's graph bounds;
+    calls are serialised by a lock. `replay` (CUDA only, slm_core.replay.CudaGraphs) runs the
+    compiled graph from CUDA graphs captured per input-size bucket."""
 
-    def __init__(self, graph: torch.nn.Module, tokenizer: PackedTokenizer, task: TaskSpec, runtime: RuntimeSpec):
+    def __init__(self, graph: torch.nn.Module, tokenizer: PackedTokenizer, task: TaskSpec, runtime: RuntimeSpec,
+                 replay=None):
         self.graph = graph
         self.tokenizer = tokenizer
         self.task = task
         self.device = torch.device(runtime.device)
+        self.replay = replay
         pin = self.device.type == "cuda"
-        self._ids = torch.empty(task.call_tokens, dtype=torch.int32, pin_memory=pin)  # packed token ids
-        self._cu = torch.empty(task.call_texts + 1, dtype=torch.int32, pin_memory=pin)  # cu_seqlens
+        self._ids = torch.empty(task.graph_tokens, dtype=torch.int32, pin_memory=pin)  # packed token ids
+        self._cu = torch.empty(task.graph_texts + 1, dtype=torch.int32, pin_memory=pin)  # cu_seqlens
         self._lock = threading.Lock()
 
     @classmethod
@@ -128,8 +131,10 @@ class Engine:
             if n == 0:
                 return spans, [], 0.0
             start = time.perf_counter()
-            out = self.graph(self._ids[:t].to(self.device, non_blocking=True),
-                             self._cu[: n + 1].to(self.device, non_blocking=True))
+            out = self.replay(self._ids, self._cu, n, t) if self.replay is not None else None
+            if out is None:
+                out = self.graph(self._ids[:t].to(self.device, non_blocking=True),
+                                 self._cu[: n + 1].to(self.device, non_blocking=True))
             outputs = [x.cpu().tolist() for x in ((out,) if isinstance(out, torch.Tensor) else out)]
             return spans, outputs, (time.perf_counter() - start) * 1e3
 

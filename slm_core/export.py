@@ -9,18 +9,17 @@ from slm_core.spec import TaskSpec
 
 
 def example_inputs(task: TaskSpec, device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
-    """Inputs to trace with. Dynamic dims get sizes >= 2 (0/1 would specialise to constants)."""
+    """Inputs to trace with: sequences of 3 and 5 tokens. Dynamic dims get sizes >= 2 (0/1 would
+    specialise to constants)."""
     ids = torch.arange(8, dtype=torch.int32, device=device) + 1
-    if task.call_texts > 1:  # sequences of 3 and 5 tokens
-        return ids, torch.tensor([0, 3, 8], dtype=torch.int32, device=device)
-    return ids, torch.tensor([0, 8], dtype=torch.int32, device=device)  # one prompt per call: a static [2]
+    return ids, torch.tensor([0, 3, 8], dtype=torch.int32, device=device)
 
 
 def dynamic_shapes(task: TaskSpec) -> tuple[dict[int, Dim], ...]:
-    tokens = Dim("tokens", min=1, max=task.call_tokens)
-    if task.call_texts > 1:
-        return {0: tokens}, {0: Dim("sequences_plus_one", min=2, max=task.call_texts + 1)}
-    return {0: tokens}, None
+    """Up to the task's graph bounds, which leave room for CUDA-graph padding (slm_core.replay): so
+    even a one-prompt beam task takes a dynamic number of sequences."""
+    return ({0: Dim("tokens", min=1, max=task.graph_tokens)},
+            {0: Dim("sequences_plus_one", min=2, max=task.graph_texts + 1)})
 
 
 def export_graph(graph: torch.nn.Module, task: TaskSpec) -> ExportedProgram:

@@ -19,10 +19,11 @@ from slm_core.checkpoint import Checkpoint
 from slm_core.engine import Engine, build_graph
 from slm_core.errors import SpecError
 from slm_core.export import compile_package, export_graph
+from slm_core.replay import CudaGraphs
 from slm_core.spec import PRECISIONS, RuntimeSpec, TaskSpec
 from slm_core.tokenizer import PackedTokenizer
 
-FORMAT = 2  # 2: the beam graph takes cu_seqlens and answers B prompts per call
+FORMAT = 3  # 2: the beam graph takes cu_seqlens and answers B prompts per call; 3: graph bounds leave room for CUDA-graph padding
 MANIFEST, GRAPH, TOKENIZER = "manifest.json", "graph.pt2", "tokenizer.json"
 # Compiled vs eager on the check inputs: largest allowed |difference| of probabilities / beam scores,
 # and the share of compiled beam candidates that eager also returns.
@@ -75,7 +76,14 @@ def build_package(
         lambda: compile_package(program, str(out_dir / GRAPH)),
     )
     compiled = Engine(torch._inductor.aoti_load_package(package), tokenizer, task, runtime)
-    check = step("checking the compiled graph against eager", lambda: check_compiled(Engine(graph, tokenizer, task, runtime), compiled))
+    eager = Engine(graph, tokenizer, task, runtime)
+    check = step("checking the compiled graph against eager", lambda: check_compiled(eager, compiled))
+    if dev.type == "cuda":  # the way it serves: replayed from CUDA graphs (padded to size buckets)
+        replayed = _cuda_engine(package, tokenizer, task, runtime, dev, cuda_graphs=True)
+        check["cuda_graphs"] = step("checking the compiled graph replayed from CUDA graphs against eager",
+                                    lambda: check_compiled(eager, replayed))
+        # a graph that cannot be captured serves without CUDA graphs (the worker falls back alike)
+        check["cuda_graphs"]["captured"] = len(replayed.replay.graphs) if replayed.replay.enabled else 0
     tokenizer.tokenizer.save(str(out_dir / TOKENIZER))
     manifest = {
         "format": FORMAT,
@@ -98,14 +106,14 @@ def build_package(
 def signature(task: TaskSpec) -> dict[str, list[str]]:
     if task.task == "score":
         return {
-            "inputs": [f"input_ids int32 [tokens <= {task.call_tokens}]",
-                       f"cu_seqlens int32 [texts + 1 <= {task.call_texts + 1}]"],
+            "inputs": [f"input_ids int32 [tokens <= {task.graph_tokens}]",
+                       f"cu_seqlens int32 [texts + 1 <= {task.graph_texts + 1}]"],
             "outputs": [f"probs float32 [texts, {len(task.labels)}]"],
         }
     w, n = task.beam_width, task.new_tokens
     return {
-        "inputs": [f"input_ids int32 [tokens <= {task.call_tokens}]",
-                   f"cu_seqlens int32 [prompts + 1 <= {task.call_texts + 1}]"],
+        "inputs": [f"input_ids int32 [tokens <= {task.graph_tokens}]",
+                   f"cu_seqlens int32 [prompts + 1 <= {task.graph_texts + 1}]"],
         "outputs": [f"tokens int64 [prompts, {w}, {n}]", f"lengths int64 [prompts, {w}]",
                     f"scores float32 [prompts, {w}]"],
     }
@@ -157,9 +165,10 @@ def _fits(tokenizer: PackedTokenizer, text: str) -> bool:
     return len(tokenizer.tokenizer.encode(tokenizer.apply_template(text)).ids) <= bound
 
 
-def load_package(model_dir: str | Path, gpu_id: int | None = None) -> Engine:
-    """The Engine of a built package, on `cuda:{gpu_id}` for CUDA builds. Refuses, with the reason,
-    a package built for another device type, torch version or GPU architecture."""
+def load_package(model_dir: str | Path, gpu_id: int | None = None, cuda_graphs: bool = True) -> Engine:
+    """The Engine of a built package, on `cuda:{gpu_id}` for CUDA builds (replaying CUDA graphs
+    unless cuda_graphs is False). Refuses, with the reason, a package built for another device
+    type, torch version or GPU architecture."""
     model_dir = Path(model_dir)
     manifest = json.loads((model_dir / MANIFEST).read_text())
     if manifest.get("format") != FORMAT:
@@ -179,7 +188,16 @@ def load_package(model_dir: str | Path, gpu_id: int | None = None) -> Engine:
         device = torch.device("cpu")
     task = TaskSpec.from_dict(manifest["task"])
     tokenizer = PackedTokenizer(Tokenizer.from_file(str(model_dir / TOKENIZER)), task)
-    graph = torch._inductor.aoti_load_package(
-        str(model_dir / manifest["graph"]["file"]), device_index=device.index if device.type == "cuda" else -1
-    )
-    return Engine(graph, tokenizer, task, RuntimeSpec(str(device), manifest.get("attention", "reference")))
+    runtime = RuntimeSpec(str(device), manifest.get("attention", "reference"))
+    path = str(model_dir / manifest["graph"]["file"])
+    if device.type == "cuda":
+        return _cuda_engine(path, tokenizer, task, runtime, device, cuda_graphs)
+    return Engine(torch._inductor.aoti_load_package(path), tokenizer, task, runtime)
+
+
+def _cuda_engine(path: str, tokenizer: PackedTokenizer, task: TaskSpec, runtime: RuntimeSpec, device: torch.device,
+                 cuda_graphs: bool) -> Engine:
+    """A CUDA package's Engine; with cuda_graphs, its calls replay CUDA graphs (slm_core.replay),
+    which needs the package loaded single-threaded (FACTS.md)."""
+    graph = torch._inductor.aoti_load_package(path, run_single_threaded=cuda_graphs, device_index=device.index or 0)
+    return Engine(graph, tokenizer, task, runtime, CudaGraphs(graph, task, device) if cuda_graphs else None)

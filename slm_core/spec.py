@@ -177,6 +177,17 @@ class TaskSpec:
         return self.call_texts * (self.max_text_tokens if self.task == "score" else self.max_prompt_tokens)
 
     @property
+    def graph_texts(self) -> int:
+        """Sequences the compiled graph accepts: a full call plus room for the padding sequences of
+        a CUDA-graph bucket (slm_core.replay: up to 1/16 of the tokens, plus one)."""
+        return self.call_texts + self.call_texts // 16 + 2
+
+    @property
+    def graph_tokens(self) -> int:
+        """Packed tokens the compiled graph accepts: a full call plus a bucket's padding."""
+        return 2 * self.call_tokens + 64
+
+    @property
     def max_seq_tokens(self) -> int:
         """The longest sequence one graph call sees (positions needed by RoPE)."""
         return self.max_text_tokens if self.task == "score" else self.max_prompt_tokens + self.new_tokens

@@ -81,3 +81,25 @@ def test_harness_smoke_on_cpu(demo, tmp_path):
     assert checks["W1"]["deployments"]["slm_smollm2_intent_reference_b1_x1"]["max_abs_dp"] < 1e-2
     assert checks["W2"]["deployments"]["slm_smollm2_complete_reference_b1_x1"]["same_best"] == 3
     assert all(r["window_start"] > 0 for r in records)
+
+
+def test_nographs_variant_is_the_same_archive_with_cuda_graphs_off(tmp_path):
+    """bench's `:nographs` deployments serve a copy of the archive whose handler settings turn
+    CUDA graphs off; everything else in it is byte for byte the same."""
+    import zipfile
+
+    import yaml
+
+    from archiver.build import model_config
+    from bench.run import without_cuda_graphs
+
+    src, dst = tmp_path / "a.mar", tmp_path / "a_nographs.mar"
+    with zipfile.ZipFile(src, "w") as z:
+        z.writestr("model-config.yaml", yaml.safe_dump(model_config("cuda", 1, 60, batch=8)))
+        z.writestr("graph.pt2", b"\x00weights" * 100)
+    without_cuda_graphs(src, dst)
+    with zipfile.ZipFile(src) as a, zipfile.ZipFile(dst) as b:
+        assert yaml.safe_load(a.read("model-config.yaml"))["handler"] == {"cuda_graphs": True}
+        config = yaml.safe_load(b.read("model-config.yaml"))
+        assert config["handler"] == {"cuda_graphs": False} and config["batchSize"] == 8
+        assert a.read("graph.pt2") == b.read("graph.pt2")

@@ -1,0 +1,107 @@
+"""CUDA-graph replay of a compiled request graph, one captured graph per input-size bucket.
+
+A call packs N sequences of T tokens; CUDA graphs need fixed shapes. So a call is padded up to a
+bucket: N to the next power of two (at least N + 1, at most the task's call_texts + 1, more when
+the padding tokens need more sequences) and T to within 1/16 of itself, by appending padding
+sequences (each at least one token and at most the task's per-sequence bound, so positions stay
+inside RoPE's table). Sequences do not see each
+other (block-diagonal prefill, per-prompt beams), so the real rows' answers do not change, and the
+padding rows are never read. The compiled graph accepts these sizes: slm_core.export exports up to
+TaskSpec.graph_tokens / graph_texts.
+
+The first call of a bucket runs once on a side stream, then is captured; every later call of that
+bucket copies its inputs into the static input buffers and replays (launches go from ~1,500
+kernel launches from C++ to one graph launch; bench/RESULTS.md). All graphs share one memory
+pool: calls are serialised by the engine and each call's outputs are read before the next runs.
+"""
+
+import logging
+
+import torch
+
+from slm_core.spec import TaskSpec
+
+log = logging.getLogger(__name__)
+PAD_TOKEN = 0
+
+
+def bucket(task: TaskSpec, sequences: int, tokens: int) -> tuple[int, int, list[int]] | None:
+    """(bucket sequences, bucket tokens, lengths of the padding sequences) for a call of
+    `sequences` sequences and `tokens` tokens, or None when no bucket can hold it."""
+    longest = task.max_text_tokens if task.task == "score" else task.max_prompt_tokens
+    extra = min(1 << sequences.bit_length(), task.call_texts + 1) - sequences  # to a power of two > sequences
+    padded_t = _round_tokens(tokens + extra)
+    pad = padded_t - tokens
+    extra = max(extra, -(-pad // longest))  # as many padding sequences as the padding tokens need
+    if extra < 1 or sequences + extra > task.graph_texts or padded_t > task.graph_tokens:
+        return None
+    lengths = [pad // extra + (i < pad % extra) for i in range(extra)]
+    return sequences + extra, padded_t, lengths
+
+
+def _round_tokens(t: int) -> int:
+    """Up to a multiple of 32, or of the power of two 1/16 below t: at most 6.25 % padding."""
+    step = max(32, 1 << max(0, t.bit_length() - 5))
+    return -(-t // step) * step
+
+
+def pad_inputs(ids: torch.Tensor, cu: torch.Tensor, sequences: int, tokens: int,
+               lengths: list[int]) -> tuple[int, int]:
+    """Append padding sequences of the given lengths behind the packed call in the host buffers
+    ids/cu (sized to the task's graph bounds); returns the padded (sequences, tokens)."""
+    ends = torch.tensor(lengths, dtype=cu.dtype).cumsum(0) + tokens
+    cu[sequences + 1 : sequences + 1 + len(lengths)] = ends
+    padded = int(ends[-1])
+    ids[tokens:padded] = PAD_TOKEN
+    return sequences + len(lengths), padded
+
+
+class CudaGraphs:
+    """Replays `graph` (an AOTInductor package loaded with run_single_threaded=True) from CUDA
+    graphs captured per bucket; at most `max_graphs` are captured, other sizes run the graph as is."""
+
+    def __init__(self, graph, task: TaskSpec, device: torch.device, max_graphs: int = 128):
+        self.graph = graph
+        self.task = task
+        self.device = device
+        self.max_graphs = max_graphs
+        self.ids = torch.zeros(task.graph_tokens, dtype=torch.int32, device=device)  # static inputs
+        self.cu = torch.zeros(task.graph_texts + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, object]] = {}
+        self.pool = None
+        self.enabled = True
+
+    def __call__(self, ids: torch.Tensor, cu: torch.Tensor, sequences: int, tokens: int):
+        """The graph's outputs (device tensors, valid until the next call) for the packed call in
+        the pinned host buffers ids[:tokens], cu[:sequences + 1], or None when it does not replay."""
+        if not self.enabled or (b := bucket(self.task, sequences, tokens)) is None:
+            return None
+        key = b[:2]
+        if key not in self.graphs and len(self.graphs) >= self.max_graphs:
+            return None
+        n, t = pad_inputs(ids, cu, sequences, tokens, b[2])
+        self.ids[:t].copy_(ids[:t], non_blocking=True)
+        self.cu[: n + 1].copy_(cu[: n + 1], non_blocking=True)
+        if key not in self.graphs:
+            try:
+                self.graphs[key] = self._capture(n, t)
+            except RuntimeError as e:  # something in the graph cannot be captured: run without graphs
+                log.warning("CUDA graph capture failed, running without CUDA graphs: %s", e)
+                self.enabled = False
+                return None
+        graph, outputs = self.graphs[key]
+        graph.replay()
+        return outputs
+
+    def _capture(self, n: int, t: int):
+        args = (self.ids[:t], self.cu[: n + 1])
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # a first run outside the capture (lazy initialisation)
+            self.graph(*args)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = self.graph(*args)
+        self.pool = graph.pool()
+        return graph, outputs
