@@ -24,8 +24,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="CUDA builds: replay each call from a CUDA graph captured per input-size bucket")
     b.add_argument("--batch-delay-ms", type=int, default=1,
                    help="longest wait for more requests to batch (the task's max_batch sets how many)")
-    b.add_argument("--queue", type=int, default=100,
-                   help="requests that may wait for a worker; beyond them TorchServe answers 503 at once")
+    b.add_argument("--queue", type=int,
+                   help="requests that may wait for a worker; beyond them TorchServe answers 503 at once "
+                        "(default: as many as finish within --deadline-ms, from a full call timed at build)")
+    b.add_argument("--deadline-ms", type=float, default=80.0,
+                   help="latency a queued request must still meet; sizes the queue when --queue is not given")
     args = parser.parse_args(argv)
     attention = args.attention or ("triton" if args.device.startswith("cuda") else "reference")
 
@@ -33,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         build(args.checkpoint, args.task, args.model_name, args.export_path, args.device, args.workers,
-              args.response_timeout, attention, args.batch_delay_ms, args.queue, args.cuda_graphs == "on")
+              args.response_timeout, attention, args.batch_delay_ms, args.queue, args.cuda_graphs == "on",
+              args.deadline_ms)
     except (SpecError, FileNotFoundError) as e:
         print(f"slm-archiver: error: {e}", file=sys.stderr)
         return 2

@@ -45,10 +45,18 @@ def model_config(device: str, workers: int, response_timeout: int, batch: int = 
     }
 
 
+def queue_for_deadline(deadline_ms: float, full_call_ms: float, batch: int) -> int:
+    """Requests that may wait for a worker so that the last of them still finishes within the
+    deadline: the GPU serves about `batch` requests per full call whatever the worker count (the
+    workers share it), so a request behind q others finishes after about (q / batch + 1) calls.
+    At least 1."""
+    return max(1, int((deadline_ms - full_call_ms) / full_call_ms * batch))
+
+
 def build(
     checkpoint: str, task_path: str, model_name: str, export_path: str, device: str = "cpu",
     workers: int = 1, response_timeout: int = 120, attention: str = "reference", batch_delay_ms: int = 1,
-    queue: int = 100, cuda_graphs: bool = True,
+    queue: int | None = None, cuda_graphs: bool = True, deadline_ms: float = 80.0,
 ) -> Path:
     from model_archiver.model_archiver_config import ModelArchiverConfig
     from model_archiver.model_packaging import generate_model_archive
@@ -62,6 +70,11 @@ def build(
         ckpt = load_checkpoint(checkpoint)
         manifest = build_package(ckpt, task, device, stage, progress, attention)
         progress(f"compiled graph matches eager: {manifest['check']}")
+        if queue is None:
+            queue = queue_for_deadline(deadline_ms, manifest["full_call_ms"], task.max_batch)
+            progress(f"queue of {queue} for a {deadline_ms:g} ms deadline: a full call of {task.max_batch} "
+                     f"request(s) at the token bounds takes {manifest['full_call_ms']:.1f} ms"
+                     + (" (over the deadline on its own)" if manifest["full_call_ms"] > deadline_ms else ""))
         for name in SOURCE_PACKAGES:
             src = Path(importlib.util.find_spec(name).submodule_search_locations[0])
             shutil.copytree(src, stage / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))

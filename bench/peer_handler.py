@@ -64,6 +64,8 @@ class HFPeerHandler:
         out = self.model.generate(**batch, num_beams=w, num_return_sequences=w, max_new_tokens=n, do_sample=False,
                                   early_stopping=True, length_penalty=0.0, eos_token_id=self.stop or None,
                                   pad_token_id=0, output_scores=True, return_dict_in_generate=True)
-        new = out.sequences[:, batch["input_ids"].shape[1]:].tolist()
+        # as slm answers: each candidate's tokens up to and including its stop token, no padding after
+        new = [ids[: next((i + 1 for i, t in enumerate(ids) if t in self.stop), len(ids))]
+               for ids in out.sequences[:, batch["input_ids"].shape[1]:].tolist()]
         return {"candidates": [{"text": self.tok.decode(ids, skip_special_tokens=True), "token_ids": ids, "score": s}
                                for ids, s in zip(new, out.sequences_scores.tolist())]}

@@ -65,6 +65,17 @@ def table(records: list[dict]) -> str:
                 f"{fmt(100 * cap['mfu_effective'], 2) + ' %' if cap else '–'} | "
                 f"{fmt(best['qps'])} (c={best['concurrency']}{', ×' + str(best['workers']) + ' workers' if best['workers'] > 1 else ''}, "
                 f"mean {fmt(best['mean_ms'])} ms, MFU {fmt(100 * best['mfu_effective'], 2)} %) | {ratio} |")
+    split = [(w, s, cap) for (w, s), rs in sorted(by.items()) if (cap := capacity(rs) or max(rs, key=lambda r: r["qps"]))
+             and "ts_frontend_ms" in cap]
+    if split:  # TorchServe's own counters over the same point (bench.run.frontend_means)
+        lines += ["", "Per request at the capacity point (else the best point): client latency split by "
+                      "TorchServe's counters.", "",
+                  "| workload | system | at | client mean (ms) | in TorchServe | of which queued | worker (IPC, "
+                  "batching, handler) | HTTP + client |", "|---|---|---|---|---|---|---|---|"]
+        for w, s, r in split:
+            lines.append(f"| {w} | {s} | c={r['concurrency']} | {fmt(r['mean_ms'])} | {fmt(r['ts_frontend_ms'])} | "
+                         f"{fmt(r['ts_queue_ms'])} | {fmt(r['ts_frontend_ms'] - r['ts_queue_ms'])} | "
+                         f"{fmt(r['mean_ms'] - r['ts_frontend_ms'])} |")
     noop = [r for r in records if r["system"] == "noop"]
     if noop:
         top = max(noop, key=lambda r: r["qps"])

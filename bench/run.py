@@ -126,6 +126,9 @@ def main() -> None:
     p.add_argument("--hf-workers", default="1,4", help="peer worker counts to try; the best is kept")
     p.add_argument("--warmup", type=float, default=2.0)
     p.add_argument("--duration", type=float, default=6.0)
+    p.add_argument("--prewarm", type=float, default=0.5,
+                   help="seconds per concurrency of an unrecorded pass before each sweep, up to 2 x batch x workers "
+                        "in flight: each batch size is seen once (slm CUDA graphs capture new sizes on first sight)")
     p.add_argument("--requests", type=int, default=64, help="distinct request bodies per workload")
     p.add_argument("--jobs", type=int, default=1, help="archives built at once")
     p.add_argument("--build-only", action="store_true", help="build the archives into --work and stop")
@@ -187,9 +190,12 @@ def main() -> None:
     server_dir.mkdir()
     server = TorchServe(server_dir, store).start()
 
+    totals: dict[str, dict[str, float]] = {}  # per deployment, TorchServe's counters at its last point
+
     def record(d: Deployment, workload: str, point, flops_per_request: float) -> None:
+        before, totals[d.name] = totals.get(d.name, {}), frontend_totals(server, d.name)
         rec = {"system": d.system, "attention": d.attention, "batch": d.batch, "cuda_graphs": d.cuda_graphs,
-               "workload": workload,
+               "workload": workload, **frontend_means(before, totals[d.name]),
                "workers": d.workers, **dataclasses.asdict(point), **meta, "flops_per_request": flops_per_request,
                # every FLOP is bf16 until an FP8 build exists, so the two figures agree
                "mfu_effective": flops.mfu(point.qps, flops_per_request), "mfu_bf16": flops.mfu(point.qps, flops_per_request)}
@@ -228,6 +234,10 @@ def main() -> None:
             encoded = [json.dumps(b).encode() for b in bodies[w.name]]
             for d in deployments:
                 if d.name.startswith(f"{d.system}_{w.model}_") and d in ready:
+                    url = f"{server.inference}/predictions/{d.name}"
+                    for c in ([] if args.smoke else [c for c in LEVELS if c <= max(2, 2 * d.batch * d.workers)]):
+                        measure(url, encoded, c, 0.0, args.prewarm)  # steady state first: not recorded
+                    totals[d.name] = frontend_totals(server, d.name)
                     sweep(f"{server.inference}/predictions/{d.name}", encoded, LEVELS[:2] if args.smoke else LEVELS,
                           args.warmup, args.duration,
                           on_point=lambda pt: record(d, w.name, pt, mean_flops(pt, per_body)))
@@ -251,6 +261,39 @@ class Deployment:
     attention: str | None = None  # slm: reference | triton
     batch: int = 1  # slm score: requests per graph call
     cuda_graphs: bool = True  # slm on CUDA: calls replay CUDA graphs
+
+
+FRONTEND = ("ts_inference_requests_total", "ts_inference_latency_microseconds", "ts_queue_latency_microseconds")
+
+
+def frontend_totals(server: TorchServe, model: str) -> dict[str, float]:
+    """TorchServe's cumulative counters for one model (Prometheus, see config.properties): requests
+    answered, and microseconds they spent in the frontend in all (receipt to response) and in its
+    queue waiting for a worker."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{server.metrics}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:  # no breakdown for this point; the measurement stands
+        return {}
+    out = dict.fromkeys(FRONTEND, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0]
+        if name in out and f'model_name="{model}"' in line:
+            out[name] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def frontend_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Per request over one point (its warm-up included): milliseconds inside TorchServe and in its
+    queue. Client latency minus the first is HTTP and the load generator; the first minus the
+    queue is the worker (IPC, batching, the handler)."""
+    n = after.get(FRONTEND[0], 0.0) - before.get(FRONTEND[0], 0.0)
+    if n <= 0:
+        return {}
+    per = {key: (after[key] - before.get(key, 0.0)) / n / 1e3 for key in FRONTEND[1:]}
+    return {"ts_requests": n, "ts_frontend_ms": per[FRONTEND[1]], "ts_queue_ms": per[FRONTEND[2]]}
 
 
 def without_cuda_graphs(src: Path, dst: Path) -> None:

@@ -84,6 +84,8 @@ def build_package(
                                     lambda: check_compiled(eager, replayed))
         # a graph that cannot be captured serves without CUDA graphs (the worker falls back alike)
         check["cuda_graphs"]["captured"] = len(replayed.replay.graphs) if replayed.replay.enabled else 0
+        compiled = replayed
+    full_call_ms = step("timing a full call (max_batch requests at the token bounds)", lambda: time_full_call(compiled))
     tokenizer.tokenizer.save(str(out_dir / TOKENIZER))
     manifest = {
         "format": FORMAT,
@@ -97,6 +99,7 @@ def build_package(
         "versions": versions(dev),
         "graph": {"file": GRAPH, "signature": signature(task)},
         "check": check,
+        "full_call_ms": full_call_ms,
         "built": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -157,6 +160,24 @@ def check_compiled(eager: Engine, compiled: Engine) -> dict[str, Any]:
     if worst > check["tolerance"] or check.get("shared_candidates", 1.0) < check.get("min_shared", 0.0):
         raise SpecError(f"the compiled graph disagrees with the eager graph: {check}")
     return check
+
+
+def time_full_call(engine: Engine, repeat: int = 5) -> float:
+    """Milliseconds of one graph call at the task's bounds, copy-in to results on the host: max_batch
+    requests, each with max_texts texts of max_text_tokens tokens (score) or one prompt of
+    max_prompt_tokens (beam); the median of `repeat` after one warm-up. The slowest call a worker
+    makes, which admission control plans with (archiver --deadline-ms)."""
+    task = engine.task
+    texts = task.max_texts if task.task == "score" else 1
+    length = task.max_text_tokens if task.task == "score" else task.max_prompt_tokens
+
+    def pack(_, ids_out, cu_out):  # token ids straight into the packed buffers: no text needed
+        ids_out[: texts * length] = 1
+        cu_out[: texts + 1] = [i * length for i in range(texts + 1)]
+        return texts, texts * length
+
+    times = [engine._call([None] * task.max_batch, pack)[2] for _ in range(repeat + 1)]
+    return sorted(times[1:])[repeat // 2]
 
 
 def _fits(tokenizer: PackedTokenizer, text: str) -> bool:

@@ -81,6 +81,11 @@ def test_harness_smoke_on_cpu(demo, tmp_path):
     assert checks["W1"]["deployments"]["slm_smollm2_intent_reference_b1_x1"]["max_abs_dp"] < 1e-2
     assert checks["W2"]["deployments"]["slm_smollm2_complete_reference_b1_x1"]["same_best"] == 3
     assert all(r["window_start"] > 0 for r in records)
+    # TorchServe's counters split each point (warm-up included): queue time is part of frontend time
+    split = [r for r in records if r["system"] != "noop" and r["completed"]]
+    assert split and all(r["ts_requests"] >= r["completed"] and 0 <= r["ts_queue_ms"] <= r["ts_frontend_ms"]
+                         for r in split)
+    assert "| in TorchServe |" in report
 
 
 def test_nographs_variant_is_the_same_archive_with_cuda_graphs_off(tmp_path):

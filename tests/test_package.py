@@ -61,6 +61,23 @@ def test_manifest_records_what_serving_needs(archives):
     assert "cu_seqlens" in " ".join(manifest["graph"]["signature"]["inputs"])
     beam = json.loads((archives["tiny_beam"] / MANIFEST).read_text())
     assert beam["stop_ids"] and beam["check"]["shared_candidates"] == 1.0
+    assert 0 < beam["full_call_ms"] < 60_000 and 0 < manifest["full_call_ms"] < 60_000
+
+
+def test_the_queue_is_sized_for_the_deadline(archives):
+    """Without --queue the archiver allows as many waiting requests as finish within the deadline
+    (80 ms by default), from the full call it timed at build; --queue overrides it."""
+    import yaml
+
+    from archiver.build import queue_for_deadline
+
+    assert queue_for_deadline(80, 10, 8) == 56  # a request behind 56 others finishes after 8 calls
+    assert queue_for_deadline(80, 40, 2) == 2 and queue_for_deadline(80, 200, 8) == 1
+    beam = json.loads((archives["tiny_beam"] / MANIFEST).read_text())
+    config = yaml.safe_load((archives["tiny_beam"] / "model-config.yaml").read_text())
+    assert config["jobQueueSize"] == queue_for_deadline(80, beam["full_call_ms"], beam["task"]["max_batch"])
+    score = yaml.safe_load((archives["tiny_score"] / "model-config.yaml").read_text())
+    assert score["jobQueueSize"] == 30  # built with --queue 30
 
 
 @pytest.mark.parametrize(
