@@ -26,9 +26,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="longest wait for more requests to batch (the task's max_batch sets how many)")
     b.add_argument("--queue", type=int,
                    help="requests that may wait for a worker; beyond them TorchServe answers 503 at once "
-                        "(default: as many as finish within --deadline-ms, from a full call timed at build)")
-    b.add_argument("--deadline-ms", type=float, default=80.0,
-                   help="latency a queued request must still meet; sizes the queue when --queue is not given")
+                        "(default: as many as finish within --deadline-ms, from a full call timed at build; "
+                        "100 on CPU builds without --deadline-ms)")
+    b.add_argument("--deadline-ms", type=float,
+                   help="latency a queued request must still meet, sizing the queue when --queue is not given "
+                        "(default 80 on CUDA builds; CPU builds, a development path, queue 100)")
     args = parser.parse_args(argv)
     attention = args.attention or ("triton" if args.device.startswith("cuda") else "reference")
 

@@ -120,8 +120,9 @@ BEAM_TASK = {"task": "beam", "beam_width": 4, "new_tokens": 3, "max_prompt_token
 
 @pytest.fixture(scope="session")
 def archives(tmp_path_factory, random_checkpoint):
-    """Model store with tiny_score.mar (queue of 30) and tiny_beam.mar built by the archiver CLI (CPU,
-    fp32) from the random Qwen3 checkpoint; also each archive unpacked, as TorchServe unpacks it."""
+    """Model store with tiny_score.mar (queue of 30) and tiny_beam.mar (queue sized for an 80 ms
+    deadline) built by the archiver CLI (CPU, fp32) from the random Qwen3 checkpoint; also each
+    archive unpacked, as TorchServe unpacks it."""
     import zipfile
 
     import yaml
@@ -135,7 +136,7 @@ def archives(tmp_path_factory, random_checkpoint):
     for name, task in (("tiny_score", SCORE_TASK), ("tiny_beam", BEAM_TASK)):
         (root / f"{name}.yaml").write_text(yaml.safe_dump(task))
         args = ["build", "--checkpoint", str(folder), "--task", str(root / f"{name}.yaml"), "--model-name", name,
-                "--export-path", str(store)] + (["--queue", "30"] if name == "tiny_score" else [])
+                "--export-path", str(store)] + (["--queue", "30"] if name == "tiny_score" else ["--deadline-ms", "80"])
         assert main(args) == 0
         unpacked = root / name
         zipfile.ZipFile(store / f"{name}.mar").extractall(unpacked)

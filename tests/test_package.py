@@ -66,7 +66,8 @@ def test_manifest_records_what_serving_needs(archives):
 
 def test_the_queue_is_sized_for_the_deadline(archives):
     """Without --queue the archiver allows as many waiting requests as finish within the deadline
-    (80 ms by default), from the full call it timed at build; --queue overrides it."""
+    (tiny_beam: --deadline-ms 80, the CUDA default), from the full call it timed at build; --queue
+    overrides it."""
     import yaml
 
     from archiver.build import queue_for_deadline
