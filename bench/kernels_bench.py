@@ -15,7 +15,7 @@ import random
 import torch
 import torch.nn.functional as F
 
-from kernels.attention_ref import packed_attention_ref, prefix_suffix_attention_ref
+from kernels.attention_ref import packed_attention_ref, prefix_suffix_attention_ref, random_prefix_inputs
 from kernels.packed_attention import packed_attention
 from kernels.prefix_attention import prefix_suffix_attention
 
@@ -134,10 +134,7 @@ def flex(q, k, v, lengths: list[int], ref) -> dict:
 def decode(width: int, prompts: list[int], suffix: int, hq: int, hkv: int, d: int) -> dict:
     dev, scale = "cuda", d**-0.5
     rows, t = width * len(prompts), sum(prompts)
-    q = torch.randn(rows, hq, d, device=dev, dtype=torch.bfloat16)
-    kp, vp = (torch.randn(t, hkv, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
-    ks, vs = (torch.randn(rows, suffix, hkv, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
-    cu = torch.tensor([0] + prompts, device=dev).cumsum(0).to(torch.int32)
+    q, kp, vp, ks, vs, cu = random_prefix_inputs(width, prompts, suffix, (hq, hkv, d), dev, torch.bfloat16)
     ref = prefix_suffix_attention_ref(q.float(), kp.float(), vp.float(), ks.float(), vs.float(), scale, cu)
     out = {"shape": f"{len(prompts)} prompt(s) of {prompts} tokens x W={width}, Ls={suffix}, {hq}/{hkv} heads, d={d}",
            "results": {}}

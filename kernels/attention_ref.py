@@ -88,3 +88,21 @@ def prefix_suffix_attention_ref(
     o_suf = torch.bmm(p_suf, _to_layout(v_suffix, (0, 2, 1, 3)).view(rows * hkv, s_len, d))  # [R*Hkv, G, D]
     o = _to_layout(o_pre.view(hkv, rows, g, d), (1, 0, 2, 3)) + o_suf.view(rows, hkv, g, d)
     return o.view(rows, hq, d).to(q.dtype)
+
+
+def random_prefix_inputs(
+    width: int, prompts: list[int], suffix: int, heads: tuple[int, int, int], device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, ...]:
+    """Random (q, k_prefix, v_prefix, k_suffix, v_suffix, prefix_cu) for `width` beams of each
+    prompt (token counts `prompts`), `suffix` generated tokens, heads (q heads, kv heads, head dim):
+    what tests and benches feed prefix_suffix_attention and its reference."""
+    hq, hkv, d = heads
+    rows, t = width * len(prompts), sum(prompts)
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype)
+
+    cu = torch.tensor([0] + list(prompts), device=device).cumsum(0).to(torch.int32)
+    return (randn(rows, hq, d), randn(t, hkv, d), randn(t, hkv, d), randn(rows, suffix, hkv, d),
+            randn(rows, suffix, hkv, d), cu)

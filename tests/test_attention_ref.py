@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kernels import packed_attention_ref, prefix_suffix_attention_ref
+from kernels.attention_ref import random_prefix_inputs
 
 
 def naive_attention(q, k, v, causal: bool, scale: float):
@@ -36,13 +37,10 @@ def test_packed_attention(lengths, heads):
 @pytest.mark.parametrize("prompts, suffix", [([1], 1), ([9], 1), ([9], 5), ([40], 3), ([9, 1, 40], 2)])
 @pytest.mark.parametrize("heads", [(4, 4, 16), (6, 2, 64), (8, 1, 32)])
 def test_prefix_suffix_attention(width, prompts, suffix, heads):
-    hq, hkv, d = heads
+    d = heads[2]
     torch.manual_seed(width + sum(prompts))
-    rows, t = width * len(prompts), sum(prompts)
-    q = torch.randn(rows, hq, d)
-    kp, vp = torch.randn(t, hkv, d), torch.randn(t, hkv, d)
-    ks, vs = torch.randn(rows, suffix, hkv, d), torch.randn(rows, suffix, hkv, d)
-    cu = torch.tensor([0] + prompts).cumsum(0).to(torch.int32)
+    rows = width * len(prompts)
+    q, kp, vp, ks, vs, cu = random_prefix_inputs(width, prompts, suffix, heads)
     out = prefix_suffix_attention_ref(q, kp, vp, ks, vs, d**-0.5, cu)
     assert out.shape == q.shape
     for r in range(rows):  # beam r sees its own prompt followed by its own suffix

@@ -180,16 +180,12 @@ def test_prefix_suffix_attention_bf16_full_size(w, lp, heads, s):
 
 def test_prefix_suffix_attention_bf16_several_prompts():
     """W3-like: 4 prompts of different lengths, 100 beams each, in one call."""
-    from kernels.attention_ref import prefix_suffix_attention_ref
+    from kernels.attention_ref import prefix_suffix_attention_ref, random_prefix_inputs
     from kernels.prefix_attention import prefix_suffix_attention
 
     torch.manual_seed(0)
     prompts, w, (hq, hkv, d) = [384, 512, 401, 450], 100, (14, 2, 64)
-    rows, t = w * len(prompts), sum(prompts)
-    q = torch.randn(rows, hq, d, device="cuda")
-    kp, vp = torch.randn(t, hkv, d, device="cuda"), torch.randn(t, hkv, d, device="cuda")
-    ks, vs = torch.randn(rows, 3, hkv, d, device="cuda"), torch.randn(rows, 3, hkv, d, device="cuda")
-    cu = torch.tensor([0] + prompts, device="cuda").cumsum(0).to(torch.int32)
+    q, kp, vp, ks, vs, cu = random_prefix_inputs(w, prompts, 3, (hq, hkv, d), "cuda")
     bf = [x.bfloat16() for x in (q, kp, vp, ks, vs)]
     err = rel_err(prefix_suffix_attention(*bf, d**-0.5, cu), prefix_suffix_attention_ref(q, kp, vp, ks, vs, d**-0.5, cu))
     print(f"\nprefix 4 prompts x W={w}: rel err {err:.1e}")

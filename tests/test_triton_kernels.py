@@ -53,15 +53,11 @@ def test_packed_attention_matches_reference_in_interpreter():
 PREFIX_CHECK = r"""
 import json, sys, torch
 from kernels.prefix_attention import prefix_suffix_attention
-from kernels.attention_ref import prefix_suffix_attention_ref
+from kernels.attention_ref import prefix_suffix_attention_ref, random_prefix_inputs
 errors = []
 for w, prompts, s, (hq, hkv, d), block_w in json.loads(sys.argv[1]):
     torch.manual_seed(w + sum(prompts))
-    rows, t = w * len(prompts), sum(prompts)
-    q = torch.randn(rows, hq, d)
-    kp, vp = torch.randn(t, hkv, d), torch.randn(t, hkv, d)
-    ks, vs = torch.randn(rows, s, hkv, d), torch.randn(rows, s, hkv, d)
-    cu = torch.tensor([0] + prompts).cumsum(0).to(torch.int32)
+    q, kp, vp, ks, vs, cu = random_prefix_inputs(w, prompts, s, (hq, hkv, d))
     out = prefix_suffix_attention(q, kp, vp, ks, vs, d ** -0.5, cu, block_w=block_w, block_n=16)
     errors.append((out - prefix_suffix_attention_ref(q, kp, vp, ks, vs, d ** -0.5, cu)).abs().max().item())
 print(json.dumps(errors))
