@@ -224,23 +224,21 @@ def main() -> None:
             except TimeoutError as e:
                 log(f"SKIPPED {e}")
         bodies = {w.name: TextMaker(tokenizers[w.name], seed=1).requests(w, args.requests) for w in workloads.values()}
-        checks = [served_check(server, w.name, bodies[w.name][:3], [d for d in deployments if d in ready and
-                                                                     d.name.startswith(f"{d.system}_{w.model}_")])
-                  for w in workloads.values()]
+        serving = {w.name: [d for d in deployments if d in ready and d.name.startswith(f"{d.system}_{w.model}_")]
+                   for w in workloads.values()}  # the loaded deployments of each workload's model
+        checks = [served_check(server, w.name, bodies[w.name][:3], serving[w.name]) for w in workloads.values()]
         (out / f"{stamp}_served_check.json").write_text(json.dumps(checks, indent=1))
         for w in workloads.values():
             spec = specs[w.name]
             per_body = [request_flops(w, spec, tokenizers[w.name], b) for b in bodies[w.name]]
             encoded = [json.dumps(b).encode() for b in bodies[w.name]]
-            for d in deployments:
-                if d.name.startswith(f"{d.system}_{w.model}_") and d in ready:
-                    url = f"{server.inference}/predictions/{d.name}"
-                    for c in ([] if args.smoke else [c for c in LEVELS if c <= max(2, 2 * d.batch * d.workers)]):
-                        measure(url, encoded, c, 0.0, args.prewarm)  # steady state first: not recorded
-                    totals[d.name] = frontend_totals(server, d.name)
-                    sweep(f"{server.inference}/predictions/{d.name}", encoded, LEVELS[:2] if args.smoke else LEVELS,
-                          args.warmup, args.duration,
-                          on_point=lambda pt: record(d, w.name, pt, mean_flops(pt, per_body)))
+            for d in serving[w.name]:
+                url = f"{server.inference}/predictions/{d.name}"
+                for c in ([] if args.smoke else [c for c in LEVELS if c <= max(2, 2 * d.batch * d.workers)]):
+                    measure(url, encoded, c, 0.0, args.prewarm)  # steady state first: not recorded
+                totals[d.name] = frontend_totals(server, d.name)
+                sweep(url, encoded, LEVELS[:2] if args.smoke else LEVELS, args.warmup, args.duration,
+                      on_point=lambda pt: record(d, w.name, pt, mean_flops(pt, per_body)))
     finally:
         server.stop()
         # the server's own account (and its per-request metric lines), next to the records

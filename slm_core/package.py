@@ -168,8 +168,7 @@ def time_full_call(engine: Engine, repeat: int = 5) -> float:
     max_prompt_tokens (beam); the median of `repeat` after one warm-up. The slowest call a worker
     makes, which admission control plans with (archiver --deadline-ms)."""
     task = engine.task
-    texts = task.max_texts if task.task == "score" else 1
-    length = task.max_text_tokens if task.task == "score" else task.max_prompt_tokens
+    texts, length = task.request_sequences, task.sequence_tokens
 
     def pack(_, ids_out, cu_out):  # token ids straight into the packed buffers: no text needed
         ids_out[: texts * length] = 1
@@ -181,9 +180,7 @@ def time_full_call(engine: Engine, repeat: int = 5) -> float:
 
 
 def _fits(tokenizer: PackedTokenizer, text: str) -> bool:
-    task = tokenizer.task
-    bound = task.max_text_tokens if task.task == "score" else task.max_prompt_tokens
-    return len(tokenizer.tokenizer.encode(tokenizer.apply_template(text)).ids) <= bound
+    return len(tokenizer.tokenizer.encode(tokenizer.apply_template(text)).ids) <= tokenizer.task.sequence_tokens
 
 
 def load_package(model_dir: str | Path, gpu_id: int | None = None, cuda_graphs: bool = True) -> Engine:

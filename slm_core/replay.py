@@ -28,7 +28,7 @@ PAD_TOKEN = 0
 def bucket(task: TaskSpec, sequences: int, tokens: int) -> tuple[int, int, list[int]] | None:
     """(bucket sequences, bucket tokens, lengths of the padding sequences) for a call of
     `sequences` sequences and `tokens` tokens, or None when no bucket can hold it."""
-    longest = task.max_text_tokens if task.task == "score" else task.max_prompt_tokens
+    longest = task.sequence_tokens
     extra = min(1 << sequences.bit_length(), task.call_texts + 1) - sequences  # to a power of two > sequences
     padded_t = _round_tokens(tokens + extra)
     pad = padded_t - tokens

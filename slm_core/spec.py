@@ -167,14 +167,24 @@ class TaskSpec:
         return self.prompt_template if self.prompt_template is not None else self.placeholder
 
     @property
+    def request_sequences(self) -> int:
+        """Packed sequences one request may bring: max_texts texts (score) or one prompt (beam)."""
+        return self.max_texts if self.task == "score" else 1
+
+    @property
+    def sequence_tokens(self) -> int:
+        """The token bound of one packed input sequence: a text (score) or a prompt (beam)."""
+        return self.max_text_tokens if self.task == "score" else self.max_prompt_tokens
+
+    @property
     def call_texts(self) -> int:
-        """Sequences one graph call holds: max_batch requests of max_texts texts (score) or one prompt (beam)."""
-        return self.max_batch * (self.max_texts if self.task == "score" else 1)
+        """Sequences one graph call holds: max_batch requests of request_sequences each."""
+        return self.max_batch * self.request_sequences
 
     @property
     def call_tokens(self) -> int:
         """Packed tokens one graph call holds: call_texts sequences at their token bound."""
-        return self.call_texts * (self.max_text_tokens if self.task == "score" else self.max_prompt_tokens)
+        return self.call_texts * self.sequence_tokens
 
     @property
     def graph_texts(self) -> int:

@@ -17,7 +17,7 @@ BEAM = TaskSpec.from_dict({"task": "beam", "beam_width": 100, "new_tokens": 5, "
 
 @pytest.mark.parametrize("task", [SCORE, BEAM], ids=["score", "beam"])
 def test_buckets_pad_within_the_graph_bounds(task):
-    limit = task.max_text_tokens if task.task == "score" else task.max_prompt_tokens
+    limit = task.sequence_tokens
     buckets = set()
     for n in range(1, task.call_texts + 1):
         for t in sorted({n, n * limit // 2, n * limit, *range(n, n * limit + 1, 37)}):
