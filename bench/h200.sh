@@ -4,11 +4,11 @@
 #   bash bench/h200.sh build   # archives for W1/W2/W3 ($VARIANTS below, hf, noop), 6 at a time
 #   bash bench/h200.sh check   # the fast GPU tests: kernels at full size, CUDA engine vs transformers, export
 #   bash bench/h200.sh check-full  # every GPU test (adds AOTInductor builds and a CUDA TorchServe worker)
-#   bash bench/h200.sh kernels # the attention kernel bench
+#   bash bench/h200.sh kernels # the kernel bench (attention, QK-norm + RoPE, vocabulary top-k)
 #   bash bench/h200.sh bench   # the measured run: noop ceiling, every $SLM deployment and the HF
 #                              # peer on W1-W3, served-answer check, report, PNGs
 #   bash bench/h200.sh profile # where one request's time goes, per Triton archive, CUDA graphs on/off
-#   bash bench/h200.sh start   # in the background: build beside check, then bench, then profile,
+#   bash bench/h200.sh start   # in the background: build beside check + kernels, then bench, then profile,
 #                              # into .bench-work/out; then follow
 #   bash bench/h200.sh follow  # wait (up to $FOLLOW s, default 560) for it; what is done comes back
 #                              # as $OUT/pipeline.tgz
@@ -31,7 +31,7 @@ case "$1" in
 build)
     python3 -m bench.run "${ARGS[@]}" --jobs 6 --build-only --slm "$VARIANTS" ;;
 check)
-    python3 -m pytest -q -s tests/test_gpu.py -p no:cacheprovider -k "bf16 or export" ;;
+    python3 -m pytest -q -s tests/test_gpu.py -p no:cacheprovider -k "bf16 or export or triton_attention" ;;
 check-full)
     python3 -m pytest -q -s tests/test_gpu.py -p no:cacheprovider ;;
 kernels)
@@ -58,7 +58,7 @@ all)
     export OUT=$PIPE
     mkdir -p "$OUT"
     bash "$0" build > "$OUT/build.log" 2>&1 &
-    bash "$0" check > "$OUT/check.log" 2>&1 &
+    { bash "$0" check > "$OUT/check.log" 2>&1; bash "$0" kernels > "$OUT/kernels.log" 2>&1; } &
     wait
     bash "$0" bench > "$OUT/bench.log" 2>&1
     bash "$0" profile > "$OUT/profile.log" 2>&1

@@ -1,9 +1,11 @@
-"""Attention kernels on the GPU at workload shapes: error against the fp32 reference, and time
+"""Triton kernels on the GPU at workload shapes: error against the fp32 reference, and time
 against the alternatives available there. "gpu_ms" is the GPU time of one call replayed from a
 CUDA graph, without launch overhead; "eager_call_ms" is one call from Python, launch included
 (the compiled graphs launch from C++). The alternatives: for prefill the PyTorch reference, padded
 flash SDPA with and without its pad/unpad, flash `varlen_attn` and compiled flex attention with a
-precomputed document-causal block mask; for beam decode SDPA over the prompt K/V copied per beam.
+precomputed document-causal block mask; for beam decode SDPA over the prompt K/V copied per beam;
+for QK-norm + RoPE what Inductor generates from the reference (what the graphs ran before the
+kernel). Also the beam step's vocabulary top-k, one pass against two stages over chunks.
 
     python -m bench.kernels_bench --out FILE.json
 """
@@ -18,6 +20,8 @@ import torch.nn.functional as F
 from kernels.attention_ref import packed_attention_ref, prefix_suffix_attention_ref, random_prefix_inputs
 from kernels.packed_attention import packed_attention
 from kernels.prefix_attention import prefix_suffix_attention
+from kernels.qkv_rope import qkv_rope
+from kernels.rope_ref import qkv_rope_ref
 
 
 def median_ms(fn, iters: int = 50) -> float:
@@ -162,6 +166,45 @@ def decode(width: int, prompts: list[int], suffix: int, hq: int, hkv: int, d: in
     return out
 
 
+def rope(t: int, hq: int, hkv: int, d: int, norm: bool) -> dict:
+    dev = "cuda"
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, device=dev, dtype=torch.bfloat16)
+    angles = torch.rand(t, d // 2, device=dev) * 100
+    cos, sin = (torch.cat([f(angles)] * 2, -1).bfloat16() for f in (torch.cos, torch.sin))
+    w = (torch.rand(d, device=dev, dtype=torch.bfloat16) + 0.5,) * 2 if norm else (None, None)
+    ref = qkv_rope_ref(qkv.float(), cos.float(), sin.float(), hq, hkv, *(None if x is None else x.float() for x in w))[0]
+    inductor = torch.compile(lambda *a: [x.contiguous() for x in qkv_rope_ref(*a)], dynamic=False)
+    r = {name: timed(lambda fn=fn: fn(qkv, cos, sin, hq, hkv, *w)[0], ref)  # all three outputs; error of q
+         for name, fn in (("triton qkv_rope", qkv_rope), ("Inductor (torch.compile of the reference)", inductor))}
+    return {"shape": f"{t} rows, {hq}/{hkv} heads, d={d}, QK-norm {norm}", "results": r}
+
+
+def two_stage_topk(x: torch.Tensor, k: int, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact row-wise top-k as the top k of each of `chunks` column chunks, then of those."""
+    rows, v = x.shape
+    vals, ids = x.view(rows, chunks, v // chunks).topk(k, dim=-1)
+    ids = ids + torch.arange(0, v, v // chunks, device=x.device)[:, None]
+    top, at = vals.flatten(1).topk(k, dim=-1)
+    return top, ids.flatten(1).gather(1, at)
+
+
+def topk(rows: int, k: int, vocab: int = 151936) -> dict:
+    logits = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16) * 3
+    ref = logits.float().topk(k, dim=-1).values
+    r = {"torch.topk (one pass)": timed(lambda: logits.topk(k, dim=-1).values, ref)}
+    for chunks in (16, 64, 128):
+        if vocab % chunks == 0 and vocab // chunks >= k:
+            r[f"two stages, {chunks} chunks"] = timed(lambda c=chunks: two_stage_topk(logits, k, c)[0], ref)
+    # The log-probabilities of the top ids, compiled as in the graphs: before and after this change.
+    ids = logits.topk(k, dim=-1).indices
+    want = torch.log_softmax(logits.float(), -1).gather(1, ids)
+    gather = torch.compile(lambda x, i: torch.log_softmax(x.float(), -1).gather(1, i))
+    lse = torch.compile(lambda x, i: x.gather(1, i).float() - torch.logsumexp(x.float(), -1, keepdim=True))
+    r["log-probs of the top ids: log_softmax fp32 + gather (compiled)"] = timed(lambda: gather(logits, ids), want)
+    r["log-probs of the top ids: logits - logsumexp (compiled)"] = timed(lambda: lse(logits, ids), want)
+    return {"shape": f"{rows} rows x {vocab}, k={k}", "results": r}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -174,6 +217,9 @@ def main() -> None:
         **{f"W3 decode step {s}": decode(100, [448], s, 14, 2, 64) for s in (1, 4)},
         "W=400 decode": decode(400, [100], 4, 14, 2, 64),
         "W3 decode, 4 prompts in one call": decode(100, [384, 512, 401, 450], 3, 14, 2, 64),
+        "W1 QK-norm + RoPE": rope(1640, 16, 8, 128, True),
+        "W2 decode RoPE, 4 prompts": rope(400, 14, 2, 64, False),
+        **{f"beam top-k, {rows} beams": topk(rows, 200) for rows in (100, 400, 800)},
     }
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)

@@ -22,6 +22,11 @@ class Point:
     seconds: float
     request_indices: tuple[int, ...]  # which bodies completed in the window (for FLOP counting)
     window_start: float = 0.0  # unix time the measuring window opened (to match TorchServe's metric logs)
+    # Means over the window's answers that carry slm's X-Slm-* headers (handlers/slm_handler.py): the
+    # handler's time for the request's batch, its graph call, and the requests in that call.
+    handler_ms: float = float("nan")
+    graph_ms: float = float("nan")
+    call_batch: float = float("nan")
 
     def meets_slo(self, mean_ms: float = 20.0, p99_ms: float = 80.0) -> bool:
         return self.completed > 0 and self.errors == 0 and self.mean_ms < mean_ms and self.p99_ms < p99_ms
@@ -35,6 +40,7 @@ def percentile(values: list[float], q: float) -> float:
 async def _run(url: str, bodies: list[bytes], concurrency: int, warmup: float, duration: float) -> Point:
     latencies: list[float] = []
     done: list[int] = []
+    split: list[tuple[float, float, float]] = []  # X-Slm-* headers of the answers in the window
     errors = 0
     counter = 0
     start = time.perf_counter()
@@ -50,10 +56,12 @@ async def _run(url: str, bodies: list[bytes], concurrency: int, warmup: float, d
                 i = counter % len(bodies)
                 counter += 1
                 sent = time.perf_counter()
+                times = [None]
                 try:
                     async with session.post(url, data=bodies[i], headers={"Content-Type": "application/json"}) as r:
                         await r.read()
                         ok = r.status == 200
+                        times = [r.headers.get(f"X-Slm-{h}") for h in ("Handler-Ms", "Graph-Ms", "Batch")]
                 except (aiohttp.ClientError, asyncio.TimeoutError):
                     ok = False
                 end = time.perf_counter()
@@ -61,6 +69,8 @@ async def _run(url: str, bodies: list[bytes], concurrency: int, warmup: float, d
                     if ok:
                         latencies.append((end - sent) * 1e3)
                         done.append(i)
+                        if None not in times:
+                            split.append(tuple(map(float, times)))
                     else:
                         errors += 1
 
@@ -73,6 +83,7 @@ async def _run(url: str, bodies: list[bytes], concurrency: int, warmup: float, d
         p99_ms=percentile(latencies, 99) if n else float("nan"),
         completed=n, errors=errors, seconds=duration, request_indices=tuple(done),
         window_start=window_start,
+        **({} if not split else dict(zip(("handler_ms", "graph_ms", "call_batch"), map(statistics.fmean, zip(*split))))),
     )
 
 

@@ -67,14 +67,19 @@ def table(records: list[dict]) -> str:
                 f"mean {fmt(best['mean_ms'])} ms, MFU {fmt(100 * best['mfu_effective'], 2)} %) | {ratio} |")
     split = [(w, s, cap) for (w, s), rs in sorted(by.items()) if (cap := capacity(rs) or max(rs, key=lambda r: r["qps"]))
              and "ts_frontend_ms" in cap]
-    if split:  # TorchServe's own counters over the same point (bench.run.frontend_means)
+    if split:  # TorchServe's own counters over the same point (bench.run.frontend_means), the handler's headers
         lines += ["", "Per request at the capacity point (else the best point): client latency split by "
-                      "TorchServe's counters.", "",
-                  "| workload | system | at | client mean (ms) | in TorchServe | of which queued | worker (IPC, "
-                  "batching, handler) | HTTP + client |", "|---|---|---|---|---|---|---|---|"]
+                      "TorchServe's counters and the handler's X-Slm-* headers (handler: parse, tokenize, graph "
+                      "call, encode of the request's whole batch; graph call: copy in, GPU, copy out).", "",
+                  "| workload | system | at | client mean (ms) | in TorchServe | of which queued | handler | "
+                  "of which graph call | requests per call | IPC + batching wait | HTTP + client |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for w, s, r in split:
+            handler = r.get("handler_ms", float("nan"))
             lines.append(f"| {w} | {s} | c={r['concurrency']} | {fmt(r['mean_ms'])} | {fmt(r['ts_frontend_ms'])} | "
-                         f"{fmt(r['ts_queue_ms'])} | {fmt(r['ts_frontend_ms'] - r['ts_queue_ms'])} | "
+                         f"{fmt(r['ts_queue_ms'])} | {fmt(handler)} | {fmt(r.get('graph_ms', float('nan')))} | "
+                         f"{fmt(r.get('call_batch', float('nan')))} | "
+                         f"{fmt(r['ts_frontend_ms'] - r['ts_queue_ms'] - handler)} | "
                          f"{fmt(r['mean_ms'] - r['ts_frontend_ms'])} |")
     noop = [r for r in records if r["system"] == "noop"]
     if noop:

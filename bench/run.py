@@ -28,7 +28,7 @@ from handlers.local_server import TorchServe
 from slm_core.spec import ModelSpec
 
 BENCH = Path(__file__).resolve().parent
-LEVELS = [1, 2, 4, 8, 16, 32, 64, 128]
+LEVELS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128]  # finer where the SLO usually binds
 
 
 def log(msg: str) -> None:

@@ -4,6 +4,7 @@ next to the slm_core/ and kernels/ sources it imports (the worker's PYTHONPATH h
 """
 
 import logging
+import time
 
 from slm_core.package import load_package
 from slm_core.protocol import respond_batch
@@ -24,14 +25,21 @@ class SlmHandler:
                  self.engine.replay is not None)
 
     def handle(self, data: list[dict], ctx) -> list[bytes]:
+        start = time.perf_counter()
+        batch = respond_batch(self.engine, data)
+        handler_ms = f"{(time.perf_counter() - start) * 1e3:.3f}"  # parse, tokenize, graph call, encode
         replies = []
-        for i, reply in enumerate(respond_batch(self.engine, data)):
+        for i, reply in enumerate(batch):
             ctx.set_response_status(reply.status, PHRASES.get(reply.status, ""), i)
             ctx.set_response_content_type(i, "application/json")
-            if reply.stats is not None and ctx.metrics is not None:
-                ctx.metrics.add_counter("SlmTexts", reply.stats.texts)
-                ctx.metrics.add_counter("SlmTokens", reply.stats.tokens)
-                ctx.metrics.add_time("SlmGraphTime", reply.stats.graph_ms)
-                ctx.metrics.add_counter("SlmBatchedRequests", int(reply.stats.batch > 1))  # shared a graph call
+            if reply.stats is not None:  # where the request's time went (bench.loadgen averages these)
+                ctx.set_response_header(i, "X-Slm-Handler-Ms", handler_ms)
+                ctx.set_response_header(i, "X-Slm-Graph-Ms", f"{reply.stats.graph_ms:.3f}")
+                ctx.set_response_header(i, "X-Slm-Batch", str(reply.stats.batch))
+                if ctx.metrics is not None:
+                    ctx.metrics.add_counter("SlmTexts", reply.stats.texts)
+                    ctx.metrics.add_counter("SlmTokens", reply.stats.tokens)
+                    ctx.metrics.add_time("SlmGraphTime", reply.stats.graph_ms)
+                    ctx.metrics.add_counter("SlmBatchedRequests", int(reply.stats.batch > 1))  # shared a graph call
             replies.append(reply.body)
         return replies

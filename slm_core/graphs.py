@@ -59,7 +59,9 @@ class BeamGraph(nn.Module):
         b, beams = cum.shape
         k = 2 * self.width
         top_logits, top_ids = logits.topk(k, dim=-1)  # per beam, in the model dtype
-        log_probs = torch.log_softmax(logits.float(), dim=-1).gather(1, top_ids)  # FP32 scores of those ids
+        # FP32 log-probabilities of those ids: log_softmax(x)[i] = x[i] - logsumexp(x), without
+        # writing the [B*K, V] fp32 log_softmax (the reduction reads the logits once).
+        log_probs = top_logits.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)
         scores, flat = (log_probs.view(b, beams, k) + cum[:, :, None]).flatten(1).topk(k, dim=1)
         return scores, flat // k, top_ids.view(b, beams * k).gather(1, flat)
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import packed_attention_ref, prefix_suffix_attention_ref, sequence_of_tokens
+from kernels.rope_ref import qkv_rope_ref, rms_norm_ref
 from slm_core.errors import SpecError
 from slm_core.spec import ModelSpec
 
@@ -26,24 +27,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # As transformers: normalise in fp32, cast back, then scale in the model dtype.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, H, D]; cos, sin: [T, D] (or [1, D]) in x's dtype. Half-split RoPE (rotate_half).
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+        return rms_norm_ref(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
     def __init__(self, spec: ModelSpec, kernels: tuple | None = None, max_seqlen: int = 0):
         super().__init__()
         self.spec = spec
-        self.kernels = kernels  # (packed, prefix_suffix) Triton ops, or None for the references
+        self.kernels = kernels  # (packed, prefix_suffix, qkv_rope) Triton ops, or None for the references
         self.max_seqlen = max_seqlen  # static grid bound of the packed kernel
         self.qkv = nn.Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size, bias=spec.qkv_bias)
         self.o = nn.Linear(spec.q_size, spec.hidden_size, bias=spec.o_bias)
@@ -52,14 +43,11 @@ class Attention(nn.Module):
         self.scale = spec.head_dim**-0.5
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q [T, Hq, D], k and v [T, Hkv, D]: q and k QK-normed (Qwen3) and rotated."""
         s = self.spec
-        q, k, v = self.qkv(x).split([s.q_size, s.kv_size, s.kv_size], dim=-1)
-        q = q.view(-1, s.num_heads, s.head_dim)  # [T, Hq, D]
-        k = k.view(-1, s.num_kv_heads, s.head_dim)  # [T, Hkv, D]
-        v = v.view(-1, s.num_kv_heads, s.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        return rotate(q, cos, sin), rotate(k, cos, sin), v
+        norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
+        split = self.kernels[2] if self.kernels is not None else qkv_rope_ref
+        return split(self.qkv(x), cos, sin, s.num_heads, s.num_kv_heads, *norms, s.rms_norm_eps)
 
     def prefill(self, x, cos, sin, cu_seqlens) -> tuple[torch.Tensor, KV]:
         q, k, v = self.project(x, cos, sin)
@@ -105,11 +93,12 @@ class Block(nn.Module):
 
 
 def triton_kernels() -> tuple:
-    """The Triton attention ops (imported only when asked for: triton is optional on CPU)."""
+    """The Triton ops (imported only when asked for: triton is optional on CPU)."""
     from kernels.packed_attention import packed_attention
     from kernels.prefix_attention import prefix_suffix_attention
+    from kernels.qkv_rope import qkv_rope
 
-    return packed_attention, prefix_suffix_attention
+    return packed_attention, prefix_suffix_attention, qkv_rope
 
 
 class Transformer(nn.Module):
@@ -158,7 +147,9 @@ class Transformer(nn.Module):
         idx = torch.arange(input_ids.shape[0], device=input_ids.device, dtype=cu_seqlens.dtype)
         seq = sequence_of_tokens(cu_seqlens, input_ids.shape[0])
         x = self.embed(input_ids)
-        cos, sin = self._rope(idx - cu_seqlens[seq], x.dtype)  # per-sequence positions
+        # Per-sequence positions. A CUDA-graph bucket's padding tail (slm_core.replay) belongs to no
+        # sequence: its positions count on from the last boundary and are clamped to the table.
+        cos, sin = self._rope((idx - cu_seqlens[seq]).clamp_max(self.max_positions - 1), x.dtype)
         kvs = []
         for layer in self.layers:
             x, kv = layer.run(x, lambda h, a=layer.attn: a.prefill(h, cos, sin, cu_seqlens))

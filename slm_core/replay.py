@@ -1,13 +1,17 @@
 """CUDA-graph replay of a compiled request graph, one captured graph per input-size bucket.
 
 A call packs N sequences of T tokens; CUDA graphs need fixed shapes. So a call is padded up to a
-bucket: N to the next power of two (at least N + 1, at most the task's call_texts + 1, more when
-the padding tokens need more sequences) and T to within 1/16 of itself, by appending padding
-sequences (each at least one token and at most the task's per-sequence bound, so positions stay
-inside RoPE's table). Sequences do not see each
-other (block-diagonal prefill, per-prompt beams), so the real rows' answers do not change, and the
-padding rows are never read. The compiled graph accepts these sizes: slm_core.export exports up to
-TaskSpec.graph_tokens / graph_texts.
+bucket, T to within 1/16 of itself:
+- score: N to the next power of two (at least N + 1, at most the task's call_texts + 1, more when
+  the padding tokens need more sequences), by appending padding sequences (each at least one token
+  and at most the task's per-sequence bound, so positions stay inside RoPE's table);
+- beam: N stays as it is (a padding prompt would cost its W beams at every decode step, as much as
+  a real one), and the padding tokens form a tail behind the last prompt that belongs to no
+  sequence: the attention kernels never visit it, and nothing reads its rows (its RoPE positions
+  are clamped to the table, slm_core.model).
+Sequences do not see each other (block-diagonal prefill, per-prompt beams), so the real rows'
+answers do not change, and the padding rows are never read. The compiled graph accepts these
+sizes: slm_core.export exports up to TaskSpec.graph_tokens / graph_texts.
 
 The first call of a bucket runs once on a side stream, then is captured; every later call of that
 bucket copies its inputs into the static input buffers and replays (launches go from ~1,500
@@ -27,8 +31,12 @@ PAD_TOKEN = 0
 
 def bucket(task: TaskSpec, sequences: int, tokens: int) -> tuple[int, int, list[int]] | None:
     """(bucket sequences, bucket tokens, lengths of the padding sequences) for a call of
-    `sequences` sequences and `tokens` tokens, or None when no bucket can hold it."""
+    `sequences` sequences and `tokens` tokens, or None when no bucket can hold it. Padding tokens
+    beyond the padding sequences are the unowned tail (beam tasks)."""
     longest = task.sequence_tokens
+    if task.task == "beam":
+        padded_t = _round_tokens(tokens)
+        return (sequences, padded_t, []) if padded_t <= task.graph_tokens else None
     extra = min(1 << sequences.bit_length(), task.call_texts + 1) - sequences  # to a power of two > sequences
     padded_t = _round_tokens(tokens + extra)
     pad = padded_t - tokens
@@ -46,21 +54,22 @@ def _round_tokens(t: int) -> int:
 
 
 def pad_inputs(ids: torch.Tensor, cu: torch.Tensor, sequences: int, tokens: int,
-               lengths: list[int]) -> tuple[int, int]:
-    """Append padding sequences of the given lengths behind the packed call in the host buffers
-    ids/cu (sized to the task's graph bounds); returns the padded (sequences, tokens)."""
-    ends = torch.tensor(lengths, dtype=cu.dtype).cumsum(0) + tokens
-    cu[sequences + 1 : sequences + 1 + len(lengths)] = ends
-    padded = int(ends[-1])
-    ids[tokens:padded] = PAD_TOKEN
-    return sequences + len(lengths), padded
+               bucketed: tuple[int, int, list[int]]) -> tuple[int, int]:
+    """Pad the packed call in the host buffers ids/cu (sized to the task's graph bounds) to its
+    bucket: padding sequences of the bucket's lengths behind it, then the tail; returns the padded
+    (sequences, tokens)."""
+    padded_n, padded_t, lengths = bucketed
+    if lengths:
+        cu[sequences + 1 : padded_n + 1] = torch.tensor(lengths, dtype=cu.dtype).cumsum(0) + tokens
+    ids[tokens:padded_t] = PAD_TOKEN
+    return padded_n, padded_t
 
 
 class CudaGraphs:
     """Replays `graph` (an AOTInductor package loaded with run_single_threaded=True) from CUDA
     graphs captured per bucket; at most `max_graphs` are captured, other sizes run the graph as is."""
 
-    def __init__(self, graph, task: TaskSpec, device: torch.device, max_graphs: int = 128):
+    def __init__(self, graph, task: TaskSpec, device: torch.device, max_graphs: int = 256):
         self.graph = graph
         self.task = task
         self.device = device
@@ -79,7 +88,7 @@ class CudaGraphs:
         key = b[:2]
         if key not in self.graphs and len(self.graphs) >= self.max_graphs:
             return None
-        n, t = pad_inputs(ids, cu, sequences, tokens, b[2])
+        n, t = pad_inputs(ids, cu, sequences, tokens, b)
         self.ids[:t].copy_(ids[:t], non_blocking=True)
         self.cu[: n + 1].copy_(cu[: n + 1], non_blocking=True)
         if key not in self.graphs:

@@ -3,6 +3,7 @@ counts them, and a CPU smoke run of the whole harness (SmolLM2 archives of the d
 the no-op ceiling) that writes the records and the report. No timing is asserted."""
 
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -86,6 +87,12 @@ def test_harness_smoke_on_cpu(demo, tmp_path):
     assert split and all(r["ts_requests"] >= r["completed"] and 0 <= r["ts_queue_ms"] <= r["ts_frontend_ms"]
                          for r in split)
     assert "| in TorchServe |" in report
+    # the handler's X-Slm-* headers come through TorchServe: its time holds the graph call's
+    slm = [r for r in split if r["system"] == "slm"]
+    assert slm and all(0 < r["graph_ms"] <= r["handler_ms"] <= r["ts_frontend_ms"] and r["call_batch"] >= 1
+                       for r in slm)
+    assert all(math.isnan(r["handler_ms"]) for r in split if r["system"] == "hf")
+    assert "| of which graph call |" in report
 
 
 def test_nographs_variant_is_the_same_archive_with_cuda_graphs_off(tmp_path):

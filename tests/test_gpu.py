@@ -112,10 +112,12 @@ def test_cuda_archive_serves_through_torchserve(random_checkpoint, tmp_path):
         server.stop()
 
 
-def test_triton_attention_graphs_on_cuda(random_checkpoint, tmp_path):
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_triton_attention_graphs_on_cuda(random_checkpoint, tmp_path, arch):
     """attention='triton' on CUDA: eager graphs agree with the reference graphs (bf16), and the score
-    graph with the Triton ops exports and compiles with AOTInductor, equal to its eager run."""
-    ckpt = load_checkpoint(random_checkpoint("qwen2")[0])
+    graph with the Triton ops exports and compiles with AOTInductor, equal to its eager run. Qwen3
+    takes the QK-norm branch of the fused QK-norm + RoPE kernel."""
+    ckpt = load_checkpoint(random_checkpoint(arch)[0])
     score = dict(task="score", labels=["yes", "no"], max_texts=8, max_text_tokens=64, precision="bf16")
     ref, tri = engine_for(ckpt, "cuda", **score), engine_for(ckpt, RuntimeSpec("cuda", "triton"), **score)
     for a, b in zip(ref.score(RANDOM_TEXTS), tri.score(RANDOM_TEXTS)):
@@ -190,3 +192,27 @@ def test_prefix_suffix_attention_bf16_several_prompts():
     err = rel_err(prefix_suffix_attention(*bf, d**-0.5, cu), prefix_suffix_attention_ref(q, kp, vp, ks, vs, d**-0.5, cu))
     print(f"\nprefix 4 prompts x W={w}: rel err {err:.1e}")
     assert err <= 1e-2
+
+
+@pytest.mark.parametrize("t, heads, norm", [(1640, (16, 8, 128), True), (800, (14, 2, 64), False),
+                                            (400, (9, 3, 64), False), (1, (16, 8, 128), True)])
+def test_qkv_rope_bf16_full_size(t, heads, norm):
+    """W1 prefill (Qwen3, QK-norm), W2 decode rows (Qwen2.5), SmolLM2 heads, one token: bf16 kernel
+    against the fp32 reference, and within bf16 rounding of the bf16 reference (transformers')."""
+    from kernels.qkv_rope import qkv_rope
+    from kernels.rope_ref import qkv_rope_ref
+
+    hq, hkv, d = heads
+    torch.manual_seed(t)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, device="cuda") * 2
+    angles = torch.rand(t, d // 2, device="cuda") * 100
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    weights = (torch.rand(d, device="cuda") + 0.5, torch.rand(d, device="cuda") + 0.5) if norm else (None, None)
+    bf = lambda x: None if x is None else x.bfloat16()  # noqa: E731
+    got = qkv_rope(bf(qkv), bf(cos), bf(sin), hq, hkv, *map(bf, weights), 1e-6)
+    fp32 = qkv_rope_ref(qkv, bf(cos).float(), bf(sin).float(), hq, hkv, *weights, 1e-6)
+    bf16 = qkv_rope_ref(bf(qkv), bf(cos), bf(sin), hq, hkv, *map(bf, weights), 1e-6)
+    for g, f, b in zip(got, fp32, bf16):
+        assert g.dtype == torch.bfloat16 and g.is_contiguous()
+        assert rel_err(g, f) <= 1e-2
+        assert (g.float() - b.float()).abs().max().item() <= 0.05 * max(1.0, b.float().abs().max().item())

@@ -18,20 +18,33 @@ BEAM = TaskSpec.from_dict({"task": "beam", "beam_width": 100, "new_tokens": 5, "
 @pytest.mark.parametrize("task", [SCORE, BEAM], ids=["score", "beam"])
 def test_buckets_pad_within_the_graph_bounds(task):
     limit = task.sequence_tokens
-    buckets = set()
     for n in range(1, task.call_texts + 1):
         for t in sorted({n, n * limit // 2, n * limit, *range(n, n * limit + 1, 37)}):
             got = bucket(task, n, t)
             assert got is not None, (n, t)
             padded_n, padded_t, lengths = got
-            assert padded_n > n and padded_n <= task.graph_texts and padded_t <= task.graph_tokens
-            assert len(lengths) == padded_n - n and sum(lengths) == padded_t - t
+            assert padded_n <= task.graph_texts and padded_t <= task.graph_tokens
+            assert len(lengths) == padded_n - n and sum(lengths) <= padded_t - t
             assert all(1 <= x <= limit for x in lengths)  # every padding sequence is a valid sequence
             assert padded_t - t <= max(32, (t + len(lengths)) / 16) + len(lengths)  # little padding
-            buckets.add((padded_n, padded_t))
+            if task.task == "score":  # padding sequences hold all the padding tokens
+                assert padded_n > n and sum(lengths) == padded_t - t
+            else:  # no padding prompt (it would cost W beams), only a tail
+                assert padded_n == n and not lengths
     # a W1-like stream (15 texts of 64-160 tokens, 1 to 8 requests per call) needs few graphs
     w1 = {bucket(SCORE, 15 * k, t)[:2] for k in range(1, 9) for t in range(15 * 64 * k, 15 * 160 * k + 1, 7)}
     assert len(w1) <= 128
+
+
+def test_beam_buckets_of_w2_and_w3_streams_fit_the_graph_budget():
+    """The bench's shared beam archive (prompts up to 512 tokens, 8 per call) serves W2 (48-128
+    tokens per prompt) and W3 (384-512): every call size of both gets a captured graph."""
+    from slm_core.replay import CudaGraphs
+
+    beam8 = TaskSpec.from_dict({**BEAM.to_dict(), "max_batch": 8})
+    sizes = {bucket(beam8, k, t)[:2] for k in range(1, 9)
+             for lo, hi in ((48, 128), (384, 512)) for t in range(lo * k, hi * k + 1)}
+    assert len(sizes) <= CudaGraphs.__init__.__defaults__[0], len(sizes)
 
 
 class PaddedEager:
@@ -41,7 +54,7 @@ class PaddedEager:
         self.graph, self.task, self.calls = graph, task, []
 
     def __call__(self, ids, cu, n, t):
-        padded_n, padded_t = pad_inputs(ids, cu, n, t, bucket(self.task, n, t)[2])
+        padded_n, padded_t = pad_inputs(ids, cu, n, t, bucket(self.task, n, t))
         self.calls.append((n, t, padded_n, padded_t))
         return self.graph(ids[:padded_t].clone(), cu[: padded_n + 1].clone())
 
@@ -67,5 +80,8 @@ def test_padded_calls_answer_as_unpadded(random_checkpoint):
                 else:
                     assert [c["token_ids"] for c in a] == [c["token_ids"] for c in b]
                     assert [c["score"] for c in a] == pytest.approx([c["score"] for c in b], abs=1e-4)
-        assert len(fake.calls) == len(batches) and all(pn > n and pt > t for n, t, pn, pt in fake.calls)
-        assert fake.calls[-1][0] == plain.task.call_texts  # a full call was padded too
+        assert len(fake.calls) == len(batches) and all(pt > t for n, t, pn, pt in fake.calls)
+        if kind == "score":  # padding sequences, a full call too
+            assert all(pn > n for n, t, pn, pt in fake.calls) and fake.calls[-1][0] == plain.task.call_texts
+        else:  # the prompts as they are, and an unowned tail
+            assert all(pn == n for n, t, pn, pt in fake.calls)

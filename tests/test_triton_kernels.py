@@ -78,6 +78,37 @@ def test_prefix_suffix_attention_matches_reference_in_interpreter():
     assert len(errors) == len(PREFIX_CASES) and max(errors) < 1e-5, errors
 
 
+QKV_ROPE_CHECK = r"""
+import json, sys, torch
+from kernels.qkv_rope import qkv_rope
+from kernels.rope_ref import qkv_rope_ref
+errors = []
+for t, hq, hkv, d, norm in json.loads(sys.argv[1]):
+    torch.manual_seed(t + hq)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d) * 3
+    angles = torch.rand(t, d // 2) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    weights = (torch.rand(d) + 0.5, torch.rand(d) + 0.5) if norm else (None, None)
+    got = qkv_rope(qkv, cos, sin, hq, hkv, *weights, 1e-6)
+    want = qkv_rope_ref(qkv, cos, sin, hq, hkv, *weights, 1e-6)
+    assert all(g.is_contiguous() and g.shape == w.shape for g, w in zip(got, want))
+    errors.append(max((g - w).abs().max().item() for g, w in zip(got, want)))
+print(json.dumps(errors))
+"""
+
+QKV_ROPE_CASES = [
+    (1, 1, 1, 16, False),  # one token, one head
+    (5, 16, 8, 128, True),  # Qwen3-0.6B heads, QK-norm
+    (7, 14, 2, 64, False),  # Qwen2.5-0.5B: 14 q heads (padded to 16), no QK-norm
+    (4, 9, 3, 64, True),  # SmolLM2 heads: v of 3 * 64 (padded to 256)
+]
+
+
+def test_qkv_rope_matches_reference_in_interpreter():
+    errors = run_check(QKV_ROPE_CHECK, QKV_ROPE_CASES)
+    assert len(errors) == len(QKV_ROPE_CASES) and max(errors) < 1e-5, errors
+
+
 def test_wrappers_refuse_bad_shapes():
     import torch
 
@@ -132,7 +163,7 @@ print(json.dumps(out))
 
 def test_engine_with_triton_attention_equals_reference_in_interpreter():
     """The graphs with the Triton ops (RuntimeSpec(attention="triton")) equal the reference graphs:
-    GQA (qwen2, group 2) and MQA with all biases (llama)."""
-    result = run_check(ENGINE_CHECK, ["qwen2", "llama"])
+    GQA (qwen2, group 2), MQA with all biases (llama) and QK-norm (qwen3)."""
+    result = run_check(ENGINE_CHECK, ["qwen2", "llama", "qwen3"])
     for arch, r in result.items():
         assert r["score"] < 1e-5 and r["beam_tokens_equal"] and r["beam_score"] < 1e-4, (arch, r)

@@ -1,0 +1,38 @@
+"""Pure-PyTorch reference of the step between the QKV projection and attention: split the fused
+QKV rows into heads, RMS-normalise q and k per head (Qwen3's QK-norm), rotate them (RoPE). It
+defines the interface kernels/qkv_rope.py implements, and is the path the reference graphs run.
+The arithmetic is transformers': normalise in FP32, round to the model dtype, scale by the weight
+in the model dtype; RoPE as q * cos + rotate_half(q) * sin in the model dtype.
+"""
+
+import torch
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension, as transformers computes it."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos, sin: [T, D] in x's dtype. Half-split RoPE (rotate_half)."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def qkv_rope_ref(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+    q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv: [T, (heads + 2 kv_heads) * D], q then k then v; cos, sin: [T, D] (each row's two
+    halves equal, as the model's tables are). q_weight / k_weight: [D] QK-norm weights, or None
+    (no QK-norm). Returns q [T, heads, D] and k [T, kv_heads, D] normalised and rotated, and
+    v [T, kv_heads, D]."""
+    d = cos.shape[-1]
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q, k, v = q.view(-1, heads, d), k.view(-1, kv_heads, d), v.view(-1, kv_heads, d)
+    if q_weight is not None:
+        q, k = rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps)
+    return rotate_ref(q, cos, sin), rotate_ref(k, cos, sin), v
