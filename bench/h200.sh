@@ -15,6 +15,7 @@
 # The pipeline (`start`) outlives the call: a process in its own session runs on while the machine
 # stays warm, so each next call is just `follow`, back to back (the machine goes back when idle).
 # Needs: carry [".devbundle", "bench/assets"]; $OUT (the device tool's output folder); $COMMIT.
+# Optional: $VARIANTS, $SLM (below), $SYSTEMS (slm,hf: SYSTEMS=slm leaves the peer out), PROFILE=0.
 set -u
 source .devbundle/setup.sh
 WORK=.bench-work
@@ -38,7 +39,7 @@ kernels)
     python3 -m bench.kernels_bench --out "$OUT/kernels_bench.json" ;;
 bench)
     python3 -m bench.run "${ARGS[@]}" --out "$OUT" --warmup 1.5 --duration 3 --slm "$SLM" --no-build \
-        --workloads W3,W2,W1 --hf-workers 4 "${@:2}"
+        --workloads W3,W2,W1 --hf-workers 4 --systems "${SYSTEMS:-slm,hf}" "${@:2}"
     python3 -m bench.report "$OUT"/*_bench.jsonl --png-dir "$OUT" ;;
 profile)
     # one request per call, with and without CUDA graphs, per built Triton archive
@@ -61,11 +62,12 @@ all)
     { bash "$0" check > "$OUT/check.log" 2>&1; bash "$0" kernels > "$OUT/kernels.log" 2>&1; } &
     wait
     bash "$0" bench > "$OUT/bench.log" 2>&1
-    bash "$0" profile > "$OUT/profile.log" 2>&1
+    [ "${PROFILE:-1}" = 1 ] && bash "$0" profile > "$OUT/profile.log" 2>&1
     touch "$OUT/DONE" ;;
 start)
     mkdir -p "$PIPE" && cp "$0" "$WORK/pipeline.sh"  # runs from a copy: the next call re-sends the tree
-    COMMIT=$COMMIT setsid nohup bash "$WORK/pipeline.sh" all > "$WORK/pipeline.log" 2>&1 < /dev/null &
+    COMMIT=$COMMIT SLM=$SLM VARIANTS=$VARIANTS SYSTEMS=${SYSTEMS:-slm,hf} PROFILE=${PROFILE:-1} \
+        setsid nohup bash "$WORK/pipeline.sh" all > "$WORK/pipeline.log" 2>&1 < /dev/null &
     sleep 5
     bash "$0" follow ;;
 follow)

@@ -4,8 +4,8 @@ CUDA graph, without launch overhead; "eager_call_ms" is one call from Python, la
 (the compiled graphs launch from C++). The alternatives: for prefill the PyTorch reference, padded
 flash SDPA with and without its pad/unpad, flash `varlen_attn` and compiled flex attention with a
 precomputed document-causal block mask; for beam decode SDPA over the prompt K/V copied per beam;
-for QK-norm + RoPE what Inductor generates from the reference (what the graphs ran before the
-kernel). Also the beam step's vocabulary top-k, one pass against two stages over chunks.
+for QK-norm + RoPE and SiLU * up what Inductor generates from the reference (what the graphs ran
+before the kernels). Also the beam step's vocabulary top-k, one pass against two stages over chunks.
 
     python -m bench.kernels_bench --out FILE.json
 """
@@ -21,7 +21,8 @@ from kernels.attention_ref import packed_attention_ref, prefix_suffix_attention_
 from kernels.packed_attention import packed_attention
 from kernels.prefix_attention import prefix_suffix_attention
 from kernels.qkv_rope import qkv_rope
-from kernels.rope_ref import qkv_rope_ref
+from kernels.layer_ref import qkv_rope_ref, silu_mul_ref
+from kernels.silu_mul import silu_mul
 
 
 def median_ms(fn, iters: int = 50) -> float:
@@ -179,6 +180,15 @@ def rope(t: int, hq: int, hkv: int, d: int, norm: bool) -> dict:
     return {"shape": f"{t} rows, {hq}/{hkv} heads, d={d}, QK-norm {norm}", "results": r}
 
 
+def mlp_act(t: int, inner: int) -> dict:
+    x = torch.randn(t, 2 * inner, device="cuda", dtype=torch.bfloat16) * 4
+    ref = silu_mul_ref(x.float())
+    inductor = torch.compile(silu_mul_ref, dynamic=False)
+    return {"shape": f"{t} rows, [T, {2 * inner}] -> [T, {inner}]",
+            "results": {"triton silu_mul": timed(lambda: silu_mul(x), ref),
+                        "Inductor (torch.compile of the reference)": timed(lambda: inductor(x), ref)}}
+
+
 def two_stage_topk(x: torch.Tensor, k: int, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact row-wise top-k as the top k of each of `chunks` column chunks, then of those."""
     rows, v = x.shape
@@ -219,6 +229,8 @@ def main() -> None:
         "W3 decode, 4 prompts in one call": decode(100, [384, 512, 401, 450], 3, 14, 2, 64),
         "W1 QK-norm + RoPE": rope(1640, 16, 8, 128, True),
         "W2 decode RoPE, 4 prompts": rope(400, 14, 2, 64, False),
+        "W1 SiLU * up": mlp_act(1640, 3072),
+        "W2 decode SiLU * up, 4 prompts": mlp_act(400, 4864),
         **{f"beam top-k, {rows} beams": topk(rows, 200) for rows in (100, 400, 800)},
     }
     with open(args.out, "w") as f:

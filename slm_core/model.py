@@ -9,11 +9,10 @@ quantisation.
 from typing import Callable, Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels import packed_attention_ref, prefix_suffix_attention_ref, sequence_of_tokens
-from kernels.rope_ref import qkv_rope_ref, rms_norm_ref
+from kernels.layer_ref import qkv_rope_ref, rms_norm_ref, silu_mul_ref
 from slm_core.errors import SpecError
 from slm_core.spec import ModelSpec
 
@@ -34,7 +33,7 @@ class Attention(nn.Module):
     def __init__(self, spec: ModelSpec, kernels: tuple | None = None, max_seqlen: int = 0):
         super().__init__()
         self.spec = spec
-        self.kernels = kernels  # (packed, prefix_suffix, qkv_rope) Triton ops, or None for the references
+        self.kernels = kernels  # (packed, prefix_suffix, qkv_rope, silu_mul) Triton ops, or None for the references
         self.max_seqlen = max_seqlen  # static grid bound of the packed kernel
         self.qkv = nn.Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size, bias=spec.qkv_bias)
         self.o = nn.Linear(spec.q_size, spec.hidden_size, bias=spec.o_bias)
@@ -68,14 +67,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, silu_mul=silu_mul_ref):
         super().__init__()
         self.gate_up = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
         self.down = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        self.silu_mul = silu_mul  # the Triton op or its reference
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(self.silu_mul(self.gate_up(x)))
 
 
 class Block(nn.Module):
@@ -84,7 +83,7 @@ class Block(nn.Module):
         self.input_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.attn = Attention(spec, kernels, max_seqlen)
         self.post_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        self.mlp = MLP(spec, kernels[3] if kernels is not None else silu_mul_ref)
 
     def run(self, x: torch.Tensor, attend: Callable[[torch.Tensor], tuple[torch.Tensor, KV]]):
         a, kv = attend(self.input_norm(x))
@@ -97,8 +96,9 @@ def triton_kernels() -> tuple:
     from kernels.packed_attention import packed_attention
     from kernels.prefix_attention import prefix_suffix_attention
     from kernels.qkv_rope import qkv_rope
+    from kernels.silu_mul import silu_mul
 
-    return packed_attention, prefix_suffix_attention, qkv_rope
+    return packed_attention, prefix_suffix_attention, qkv_rope, silu_mul
 
 
 class Transformer(nn.Module):

@@ -200,7 +200,7 @@ def test_qkv_rope_bf16_full_size(t, heads, norm):
     """W1 prefill (Qwen3, QK-norm), W2 decode rows (Qwen2.5), SmolLM2 heads, one token: bf16 kernel
     against the fp32 reference, and within bf16 rounding of the bf16 reference (transformers')."""
     from kernels.qkv_rope import qkv_rope
-    from kernels.rope_ref import qkv_rope_ref
+    from kernels.layer_ref import qkv_rope_ref
 
     hq, hkv, d = heads
     torch.manual_seed(t)
@@ -216,3 +216,19 @@ def test_qkv_rope_bf16_full_size(t, heads, norm):
         assert g.dtype == torch.bfloat16 and g.is_contiguous()
         assert rel_err(g, f) <= 1e-2
         assert (g.float() - b.float()).abs().max().item() <= 0.05 * max(1.0, b.float().abs().max().item())
+
+
+@pytest.mark.parametrize("t, inner", [(1640, 3072), (800, 4864), (1, 1536)])
+def test_silu_mul_bf16_full_size(t, inner):
+    """W1 prefill (Qwen3-0.6B MLP), W2 decode rows (Qwen2.5-0.5B), one row (SmolLM2): equal to the
+    bf16 reference (transformers' rounding points) up to one rounding, and close to fp32."""
+    from kernels.layer_ref import silu_mul_ref
+    from kernels.silu_mul import silu_mul
+
+    torch.manual_seed(t)
+    x = torch.randn(t, 2 * inner, device="cuda") * 4
+    got = silu_mul(x.bfloat16())
+    want = silu_mul_ref(x.bfloat16()).float()
+    assert got.dtype == torch.bfloat16 and got.shape == (t, inner)
+    assert ((got.float() - want).abs() <= 2 ** -6 * want.abs() + 1e-6).all()  # a rounding or two
+    assert rel_err(got, silu_mul_ref(x.bfloat16().float())) <= 1e-2

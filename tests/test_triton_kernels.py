@@ -81,7 +81,7 @@ def test_prefix_suffix_attention_matches_reference_in_interpreter():
 QKV_ROPE_CHECK = r"""
 import json, sys, torch
 from kernels.qkv_rope import qkv_rope
-from kernels.rope_ref import qkv_rope_ref
+from kernels.layer_ref import qkv_rope_ref
 errors = []
 for t, hq, hkv, d, norm in json.loads(sys.argv[1]):
     torch.manual_seed(t + hq)
@@ -107,6 +107,27 @@ QKV_ROPE_CASES = [
 def test_qkv_rope_matches_reference_in_interpreter():
     errors = run_check(QKV_ROPE_CHECK, QKV_ROPE_CASES)
     assert len(errors) == len(QKV_ROPE_CASES) and max(errors) < 1e-5, errors
+
+
+SILU_CHECK = r"""
+import json, sys, torch
+from kernels.silu_mul import silu_mul
+from kernels.layer_ref import silu_mul_ref
+errors = []
+for t, inner, block in json.loads(sys.argv[1]):
+    torch.manual_seed(t + inner)
+    x = torch.randn(t, 2 * inner) * 4
+    got = silu_mul(x, block)
+    assert got.shape == (t, inner) and got.is_contiguous()
+    errors.append((got - silu_mul_ref(x)).abs().max().item())
+print(json.dumps(errors))
+"""
+
+
+def test_silu_mul_matches_reference_in_interpreter():
+    cases = [(1, 8, 16), (5, 100, 32), (3, 300, 128)]  # widths not multiples of the block
+    errors = run_check(SILU_CHECK, cases)
+    assert len(errors) == len(cases) and max(errors) < 1e-5, errors
 
 
 def test_wrappers_refuse_bad_shapes():

@@ -1,11 +1,13 @@
-"""Pure-PyTorch reference of the step between the QKV projection and attention: split the fused
-QKV rows into heads, RMS-normalise q and k per head (Qwen3's QK-norm), rotate them (RoPE). It
-defines the interface kernels/qkv_rope.py implements, and is the path the reference graphs run.
-The arithmetic is transformers': normalise in FP32, round to the model dtype, scale by the weight
-in the model dtype; RoPE as q * cos + rotate_half(q) * sin in the model dtype.
+"""Pure-PyTorch references of the per-layer steps between the GEMMs: RMSNorm; splitting the fused
+QKV rows into heads, RMS-normalising q and k per head (Qwen3's QK-norm) and rotating them (RoPE);
+SiLU(gate) * up. They define the interfaces kernels/qkv_rope.py and kernels/silu_mul.py implement,
+and are the path the reference graphs run. The arithmetic is transformers': RMSNorm normalises in
+FP32, rounds to the model dtype and scales by the weight in the model dtype; RoPE is
+q * cos + rotate_half(q) * sin in the model dtype; the MLP is silu(gate) * up in the model dtype.
 """
 
 import torch
+import torch.nn.functional as F
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -36,3 +38,9 @@ def qkv_rope_ref(
     if q_weight is not None:
         q, k = rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps)
     return rotate_ref(q, cos, sin), rotate_ref(k, cos, sin), v
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [T, 2I], gate then up (the fused gate/up projection). Returns silu(gate) * up [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
