@@ -6,9 +6,10 @@ ever stored and no cross-sequence pair is computed. K/V are read per kv head (h 
 expanded. Reference: kernels.attention_ref.packed_attention_ref.
 
 Status: checked against the reference in Triton's CPU interpreter (fp32) and timed on the H200
-(bench/RESULTS.md). The graphs use it when built with RuntimeSpec(attention="triton"); the
-default stays the reference until the H200 capacity runs decide (issue 5). The interpreter needs numpy < 2.4: with 2.4 a loop
-bound computed from tl.program_id fails to convert ("only 0-dimensional arrays ...").
+(bench/RESULTS.md). The graphs use it when built with RuntimeSpec(attention="triton"), the
+archiver's default on CUDA since the H200 runs of issue 5 (as do kernels/qkv_rope.py and
+kernels/silu_mul.py). The interpreter needs numpy < 2.4: with 2.4 a loop bound computed from
+tl.program_id fails to convert ("only 0-dimensional arrays ...").
 """
 
 import torch
