@@ -20,6 +20,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--attention", choices=["reference", "triton"],
                    help="attention compiled into the graph: triton (CUDA only; the default there, faster at "
                         "every measured shape, bench/RESULTS.md) or the PyTorch reference (the CPU default)")
+    b.add_argument("--topk", choices=["torch", "triton"], default="torch",
+                   help="beam tasks: the vocabulary top-k + logsumexp of each step, torch.topk or the Triton "
+                        "radix select (kernels/vocab_topk.py; opt-in until measured in the served graph)")
     b.add_argument("--cuda-graphs", choices=["on", "off"], default="on",
                    help="CUDA builds: replay each call from a CUDA graph captured per input-size bucket")
     b.add_argument("--batch-delay-ms", type=int, default=1,
@@ -39,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         build(args.checkpoint, args.task, args.model_name, args.export_path, args.device, args.workers,
               args.response_timeout, attention, args.batch_delay_ms, args.queue, args.cuda_graphs == "on",
-              args.deadline_ms)
+              args.deadline_ms, args.topk)
     except (SpecError, FileNotFoundError) as e:
         print(f"slm-archiver: error: {e}", file=sys.stderr)
         return 2

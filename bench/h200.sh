@@ -43,7 +43,8 @@ bench)
     python3 -m bench.report "$OUT"/*_bench.jsonl --png-dir "$OUT" ;;
 profile)
     # one request per call, with and without CUDA graphs, per built Triton archive
-    for mar in "$WORK"/model-store/slm_*_triton_b?.mar; do
+    for mar in "$WORK"/model-store/slm_*_triton_b?.mar "$WORK"/model-store/slm_*_triton_b?_topk.mar; do
+        [ -e "$mar" ] || continue
         name=$(basename "$mar" .mar)
         [ -d "$WORK/unpacked/$name" ] || python3 -m zipfile -e "$mar" "$WORK/unpacked/$name"
         case "$name" in *score*) ws=W1 ;; *) ws="W2 W3" ;; esac

@@ -5,7 +5,8 @@ CUDA graph, without launch overhead; "eager_call_ms" is one call from Python, la
 flash SDPA with and without its pad/unpad, flash `varlen_attn` and compiled flex attention with a
 precomputed document-causal block mask; for beam decode SDPA over the prompt K/V copied per beam;
 for QK-norm + RoPE and SiLU * up what Inductor generates from the reference (what the graphs ran
-before the kernels). Also the beam step's vocabulary top-k, one pass against two stages over chunks.
+before the kernels). Also the beam step's vocabulary top-k with its logsumexp: PyTorch's (one pass, or two
+stages over chunks) against kernels/vocab_topk.py.
 
     python -m bench.kernels_bench --out FILE.json
 """
@@ -23,6 +24,7 @@ from kernels.prefix_attention import prefix_suffix_attention
 from kernels.qkv_rope import qkv_rope
 from kernels.layer_ref import qkv_rope_ref, silu_mul_ref
 from kernels.silu_mul import silu_mul
+from kernels.vocab_topk import vocab_topk
 
 
 def median_ms(fn, iters: int = 50) -> float:
@@ -202,6 +204,12 @@ def topk(rows: int, k: int, vocab: int = 151936) -> dict:
     logits = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16) * 3
     ref = logits.float().topk(k, dim=-1).values
     r = {"torch.topk (one pass)": timed(lambda: logits.topk(k, dim=-1).values, ref)}
+    both = torch.compile(lambda x: (x.topk(k, dim=-1), torch.logsumexp(x.float(), -1)))
+    r["torch.topk + logsumexp (compiled)"] = timed(lambda: both(logits)[0].values, ref)
+    fused = lambda: vocab_topk(logits, k)  # noqa: E731
+    r["triton vocab_topk (top-k + logsumexp, three passes)"] = {
+        "eager_call_ms": median_ms(fused), "gpu_ms": graph_ms(fused),
+        "rel_err": rel_err(fused()[0].sort(-1, descending=True).values, ref)}
     for chunks in (16, 64, 128):
         if vocab % chunks == 0 and vocab // chunks >= k:
             r[f"two stages, {chunks} chunks"] = timed(lambda c=chunks: two_stage_topk(logits, k, c)[0], ref)

@@ -37,7 +37,8 @@ def label(r: dict) -> str:
         return r["system"]
     extra = ([f"×{r['workers']} workers"] if r["workers"] > 1 else []) + (
         [f"batch {r['batch']}"] if r.get("batch", 1) > 1 else []) + (
-        ["no CUDA graphs"] if r.get("cuda_graphs") is False and r.get("device") != "cpu" else [])
+        ["no CUDA graphs"] if r.get("cuda_graphs") is False and r.get("device") != "cpu" else []) + (
+        ["Triton top-k"] if r.get("topk") else [])
     return f"slm ({', '.join([r['attention'], *extra])})"
 
 

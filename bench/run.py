@@ -51,14 +51,14 @@ def random_checkpoint(arch: dict, tokenizer: Path, out: Path) -> Path:
 
 
 def slm_build(name: str, checkpoint: Path, task: dict, store: Path, device: str, attention: str,
-              work: Path) -> list[str] | None:
+              work: Path, topk: str = "torch") -> list[str] | None:
     """The archiver command that builds `name`.mar, or None if the store already has it."""
     if (store / f"{name}.mar").exists():
         return None
     (work / f"{name}.yaml").write_text(yaml.safe_dump(task))
     return [sys.executable, "-m", "archiver", "build", "--checkpoint", str(checkpoint), "--task",
             str(work / f"{name}.yaml"), "--model-name", name, "--export-path", str(store), "--device", device,
-            "--attention", attention, "--response-timeout", "600"]
+            "--attention", attention, "--topk", topk, "--response-timeout", "600"]
 
 
 def build_all(commands: dict[str, list[str]], jobs: int, work: Path) -> set[str]:
@@ -119,9 +119,9 @@ def main() -> None:
     p.add_argument("--out", default=str(BENCH / "results"))
     p.add_argument("--workloads", default="W1,W2,W3")
     p.add_argument("--systems", default="slm,hf")
-    p.add_argument("--slm", help="slm variants to measure, comma-separated ATTENTION:WORKERS:BATCH[:nographs], e.g. "
-                                 "triton:2:8 (BATCH: requests per graph call; nographs: the same archive served "
-                                 "without CUDA graphs). Default: triton:1:1,triton:1:1:nographs on cuda, "
+    p.add_argument("--slm", help="slm variants to measure, comma-separated ATTENTION:WORKERS:BATCH[:nographs|:topk], "
+                                 "e.g. triton:2:8 (BATCH: requests per graph call; nographs: the same archive served "
+                                 "without CUDA graphs; topk: beam archives built with --topk triton). Default: triton:1:1,triton:1:1:nographs on cuda, "
                                  "reference:1:1 on cpu")
     p.add_argument("--hf-workers", default="1,4", help="peer worker counts to try; the best is kept")
     p.add_argument("--warmup", type=float, default=2.0)
@@ -158,14 +158,16 @@ def main() -> None:
         if "slm" in systems:
             for attention, workers, batch, option in variants:
                 batch = int(batch)
-                mar = f"slm_{model}_{attention}_b{batch}"
+                topk = option == "topk" and w.task["task"] == "beam"  # a build option of beam archives
+                mar = f"slm_{model}_{attention}_b{batch}" + ("_topk" if topk else "")
                 task = {**w.task, "max_batch": batch}
                 if mar not in builds and (argv := slm_build(mar, checkpoints[w.name], task, store, args.device,
-                                                            attention, work)):
+                                                            attention, work, "triton" if topk else "torch")):
                     builds[mar] = argv
-                served = f"{mar}_{option}" if option else mar  # nographs: a copy whose handler settings say so
+                # nographs: a copy of the archive whose handler settings turn CUDA graphs off
+                served = f"{mar}_{option}" if option == "nographs" else mar
                 d = Deployment("slm", f"{served}_x{workers}", f"{served}.mar", int(workers), attention, batch,
-                               cuda_graphs=option != "nographs")
+                               cuda_graphs=option != "nographs", topk=topk)
                 if d not in deployments:
                     deployments.append(d)
         if "hf" in systems:
@@ -195,6 +197,7 @@ def main() -> None:
     def record(d: Deployment, workload: str, point, flops_per_request: float) -> None:
         before, totals[d.name] = totals.get(d.name, {}), frontend_totals(server, d.name)
         rec = {"system": d.system, "attention": d.attention, "batch": d.batch, "cuda_graphs": d.cuda_graphs,
+               "topk": d.topk,
                "workload": workload, **frontend_means(before, totals[d.name]),
                "workers": d.workers, **dataclasses.asdict(point), **meta, "flops_per_request": flops_per_request,
                # every FLOP is bf16 until an FP8 build exists, so the two figures agree
@@ -259,6 +262,7 @@ class Deployment:
     attention: str | None = None  # slm: reference | triton
     batch: int = 1  # slm score: requests per graph call
     cuda_graphs: bool = True  # slm on CUDA: calls replay CUDA graphs
+    topk: bool = False  # slm beam: built with --topk triton (kernels/vocab_topk.py)
 
 
 FRONTEND = ("ts_inference_requests_total", "ts_inference_latency_microseconds", "ts_queue_latency_microseconds")

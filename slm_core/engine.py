@@ -32,7 +32,10 @@ def build_graph(ckpt: Checkpoint, task: TaskSpec, runtime: RuntimeSpec) -> tuple
         graph = ScoreGraph(model, tokenizer.label_ids())
     else:
         stop = tokenizer.stop_ids()
-        graph = BeamGraph(model, task.beam_width, task.new_tokens, stop, pad_id=stop[0] if stop else 0)
+        topk = None
+        if runtime.topk == "triton":
+            from kernels.vocab_topk import vocab_topk as topk
+        graph = BeamGraph(model, task.beam_width, task.new_tokens, stop, pad_id=stop[0] if stop else 0, topk=topk)
     return graph.to(runtime.device).eval(), tokenizer
 
 

@@ -40,8 +40,10 @@ class BeamGraph(nn.Module):
     all of them, and each decode step runs the B×W beams together.
     """
 
-    def __init__(self, model: Transformer, beam_width: int, new_tokens: int, stop_ids: list[int], pad_id: int):
+    def __init__(self, model: Transformer, beam_width: int, new_tokens: int, stop_ids: list[int], pad_id: int,
+                 topk=None):
         super().__init__()
+        self.topk = topk  # kernels.vocab_topk.vocab_topk, or None for torch.topk + torch.logsumexp
         if 2 * beam_width > model.spec.vocab_size:
             raise SpecError(f"beam_width={beam_width} needs 2 * beam_width <= vocab size {model.spec.vocab_size}")
         self.model = model
@@ -58,10 +60,16 @@ class BeamGraph(nn.Module):
         token [B, 2W]."""
         b, beams = cum.shape
         k = 2 * self.width
-        top_logits, top_ids = logits.topk(k, dim=-1)  # per beam, in the model dtype
-        # FP32 log-probabilities of those ids: log_softmax(x)[i] = x[i] - logsumexp(x), without
-        # writing the [B*K, V] fp32 log_softmax (the reduction reads the logits once).
-        log_probs = top_logits.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)
+        # Per beam its top 2W logits (in the model dtype, in any order) and their FP32
+        # log-probabilities: log_softmax(x)[i] = x[i] - logsumexp(x), without writing the
+        # [B*K, V] fp32 log_softmax.
+        if self.topk is not None:
+            top_logits, top_ids, lse = self.topk(logits, k)
+            lse = lse[:, None]
+        else:
+            top_logits, top_ids = logits.topk(k, dim=-1)
+            lse = torch.logsumexp(logits.float(), dim=-1, keepdim=True)
+        log_probs = top_logits.float() - lse
         scores, flat = (log_probs.view(b, beams, k) + cum[:, :, None]).flatten(1).topk(k, dim=1)
         return scores, flat // k, top_ids.view(b, beams * k).gather(1, flat)
 

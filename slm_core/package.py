@@ -54,13 +54,16 @@ def versions(device: torch.device) -> dict[str, Any]:
 
 def build_package(
     ckpt: Checkpoint, task: TaskSpec, device: str, out_dir: Path, progress: Callable[[str], None] = print,
-    attention: str = "reference",
+    attention: str = "reference", topk: str = "torch",
 ) -> dict[str, Any]:
     """Compile `task` for `device` into out_dir; returns the manifest. Raises SpecError when the
     compiled graph disagrees with the eager one."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    runtime = RuntimeSpec(device, attention)
+    runtime = RuntimeSpec(device, attention, topk)
     dev = torch.device(device)
+    if dev.type != "cuda" and "triton" in (attention, topk):
+        raise SpecError("the Triton kernels (--attention triton, --topk triton) compile for CUDA only; "
+                        "CPU builds use the PyTorch references")
+    out_dir.mkdir(parents=True, exist_ok=True)
 
     def step(what: str, fn):
         start = time.perf_counter()
@@ -96,6 +99,7 @@ def build_package(
         "dtype": PRECISIONS[task.precision],
         "device": dev.type,
         "attention": attention,
+        "topk": topk,
         "versions": versions(dev),
         "graph": {"file": GRAPH, "signature": signature(task)},
         "check": check,
@@ -206,7 +210,7 @@ def load_package(model_dir: str | Path, gpu_id: int | None = None, cuda_graphs: 
         device = torch.device("cpu")
     task = TaskSpec.from_dict(manifest["task"])
     tokenizer = PackedTokenizer(Tokenizer.from_file(str(model_dir / TOKENIZER)), task)
-    runtime = RuntimeSpec(str(device), manifest.get("attention", "reference"))
+    runtime = RuntimeSpec(str(device), manifest.get("attention", "reference"), manifest.get("topk", "torch"))
     path = str(model_dir / manifest["graph"]["file"])
     if device.type == "cuda":
         return _cuda_engine(path, tokenizer, task, runtime, device, cuda_graphs)

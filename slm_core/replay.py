@@ -33,10 +33,10 @@ def bucket(task: TaskSpec, sequences: int, tokens: int) -> tuple[int, int, list[
     """(bucket sequences, bucket tokens, lengths of the padding sequences) for a call of
     `sequences` sequences and `tokens` tokens, or None when no bucket can hold it. Padding tokens
     beyond the padding sequences are the unowned tail (beam tasks)."""
-    longest = task.sequence_tokens
     if task.task == "beam":
         padded_t = _round_tokens(tokens)
         return (sequences, padded_t, []) if padded_t <= task.graph_tokens else None
+    longest = task.sequence_tokens
     extra = min(1 << sequences.bit_length(), task.call_texts + 1) - sequences  # to a power of two > sequences
     padded_t = _round_tokens(tokens + extra)
     pad = padded_t - tokens

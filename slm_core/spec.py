@@ -238,10 +238,15 @@ class RuntimeSpec:
     # "reference": kernels/attention_ref.py (any device); "triton": the Triton kernels (CUDA, or the
     # CPU interpreter in tests). Fixed when the graph is built, so it is baked into an export.
     attention: str = "reference"
+    # The beam step's vocabulary top-k + logsumexp: "torch" (torch.topk, torch.logsumexp) or
+    # "triton" (kernels/vocab_topk.py, a radix select). Baked into an export like `attention`.
+    topk: str = "torch"
 
     def __post_init__(self):
         if self.attention not in ("reference", "triton"):
             raise SpecError(f"runtime attention must be 'reference' or 'triton', got {self.attention!r}")
+        if self.topk not in ("torch", "triton"):
+            raise SpecError(f"runtime topk must be 'torch' or 'triton', got {self.topk!r}")
         try:
             dev = torch.device(self.device)
         except RuntimeError as e:

@@ -232,3 +232,33 @@ def test_silu_mul_bf16_full_size(t, inner):
     assert got.dtype == torch.bfloat16 and got.shape == (t, inner)
     assert ((got.float() - want).abs() <= 2 ** -6 * want.abs() + 1e-6).all()  # a rounding or two
     assert rel_err(got, silu_mul_ref(x.bfloat16().float())) <= 1e-2
+
+
+@pytest.mark.parametrize("rows", [1, 100, 800])
+def test_vocab_topk_bf16_full_size(rows):
+    """The beam step's shape (V = 151,936, k = 2W = 200): the same values as torch.topk, ids that
+    hold them, logsumexp as torch's, and the same answer twice (ties broken by index)."""
+    from kernels.vocab_topk import vocab_topk
+
+    torch.manual_seed(rows)
+    logits = (torch.randn(rows, 151936, device="cuda") * 3).bfloat16()
+    values, ids, lse = vocab_topk(logits, 200)
+    assert torch.equal(values.sort(-1, descending=True).values, logits.topk(200).values)
+    assert torch.equal(logits.gather(1, ids), values)
+    assert (ids.sort(-1).values.diff(dim=-1) > 0).all()  # distinct ids
+    torch.testing.assert_close(lse, torch.logsumexp(logits.float(), -1), atol=1e-3, rtol=0)
+    again = vocab_topk(logits, 200)
+    assert torch.equal(again[0], values) and torch.equal(again[1], ids)
+
+
+def test_vocab_topk_beam_graph_bf16_on_cuda(random_checkpoint):
+    """RuntimeSpec(topk="triton") on CUDA: the beam graph with the Triton vocabulary top-k answers as
+    with torch.topk (bf16: near-ties may swap), and it exports."""
+    ckpt = load_checkpoint(random_checkpoint("qwen2")[0])
+    beam = dict(task="beam", beam_width=16, new_tokens=5, precision="bf16")
+    x = engine_for(ckpt, RuntimeSpec("cuda", "triton"), **beam).beam("a small language model")
+    tri = engine_for(ckpt, RuntimeSpec("cuda", "triton", "triton"), **beam)
+    y = tri.beam("a small language model")
+    assert len({tuple(c["token_ids"]) for c in x} & {tuple(c["token_ids"]) for c in y}) >= 14
+    assert x[0]["score"] == pytest.approx(y[0]["score"], abs=1e-3)
+    export_graph(tri.graph, tri.task)

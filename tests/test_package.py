@@ -125,7 +125,10 @@ class MockContext:
         self.status[idx] = (code, phrase)
 
     def set_response_content_type(self, idx, value):
-        self.headers[idx] = value
+        self.set_response_header(idx, "Content-Type", value)
+
+    def set_response_header(self, idx, key, value):
+        self.headers.setdefault(idx, {})[key] = value
 
     def add_counter(self, name, value):
         self.counters[name] = self.counters.get(name, 0) + value
@@ -147,7 +150,13 @@ def test_handler_batch_with_good_and_bad_requests(archives):
     ]
     out = handler.handle(batch, ctx)
     assert [ctx.status[i][0] for i in range(5)] == [200, 400, 400, 200, 400]
-    assert all(ctx.headers[i] == "application/json" for i in range(5))
+    assert all(ctx.headers[i]["Content-Type"] == "application/json" for i in range(5))
+    # where each answered request's time went: its batch's handler time holds its graph call
+    for i in (0, 3):
+        timing = ctx.headers[i]
+        assert 0 < float(timing["X-Slm-Graph-Ms"]) <= float(timing["X-Slm-Handler-Ms"])
+        assert timing["X-Slm-Batch"] == "2"
+    assert not any(k.startswith("X-Slm") for i in (1, 2, 4) for k in ctx.headers[i])  # refused: no call
     bodies = [json.loads(b) for b in out]
     assert bodies[0]["labels"] == ["yes", "no"] and len(bodies[0]["scores"]) == 2
     assert "not valid JSON" in bodies[1]["error"] and "must be a list" in bodies[2]["error"]
@@ -156,3 +165,17 @@ def test_handler_batch_with_good_and_bad_requests(archives):
     assert bodies[3]["scores"][0] == pytest.approx(handler.engine.score(["the lazy dog"])[0], abs=1e-6)
     assert ctx.counters["SlmTexts"] == 3 and ctx.counters["SlmTokens"] > 3 and ctx.counters["SlmGraphTime"] > 0
     assert ctx.counters["SlmBatchedRequests"] == 2
+
+
+def test_triton_kernels_are_refused_on_cpu_builds(random_checkpoint, tmp_path):
+    """--attention triton / --topk triton compile for CUDA only: a CPU build says so before compiling."""
+    from slm_core.checkpoint import load_checkpoint
+    from slm_core.package import build_package
+    from slm_core.spec import TaskSpec
+
+    ckpt = load_checkpoint(random_checkpoint("qwen2")[0])
+    task = TaskSpec.from_dict({"task": "beam", "beam_width": 2, "new_tokens": 2, "max_prompt_tokens": 16})
+    for kernels in (dict(attention="triton"), dict(topk="triton")):
+        with pytest.raises(SpecError, match="compile for CUDA only"):
+            build_package(ckpt, task, "cpu", tmp_path / "pkg", **kernels)
+    assert not (tmp_path / "pkg").exists()

@@ -78,3 +78,6 @@ def test_runtime_spec():
         RuntimeSpec(device="meta")
     with pytest.raises(SpecError, match="unknown key 'devices'"):
         RuntimeSpec.from_dict({"devices": "cpu"})
+    assert RuntimeSpec().topk == "torch"
+    with pytest.raises(SpecError, match="topk must be 'torch' or 'triton'"):
+        RuntimeSpec(topk="radix")

@@ -130,6 +130,41 @@ def test_silu_mul_matches_reference_in_interpreter():
     assert len(errors) == len(cases) and max(errors) < 1e-5, errors
 
 
+TOPK_CHECK = r"""
+import json, sys, torch
+from kernels.vocab_topk import vocab_topk
+out = []
+for rows, vocab, k, kind in json.loads(sys.argv[1]):
+    torch.manual_seed(vocab + k)
+    x = torch.randn(rows, vocab) * 3 if kind != "ties" else torch.randint(-4, 4, (rows, vocab)).float() / 2
+    if kind == "bf16":
+        x = x.bfloat16()
+    values, ids, lse = vocab_topk(x, k, block=64, splits=4)
+    values, x = values.float(), x.float()
+    want = torch.topk(x, k).values
+    tau = want[:, -1:]
+    ties_taken = [[i for i in r.tolist() if x[j, i] == tau[j, 0]] for j, r in enumerate(ids)]
+    out.append({
+        "values_equal": torch.equal(values.sort(-1, descending=True).values, want),
+        "ids_hold_values": torch.equal(x.gather(1, ids), values) and all(len(set(r.tolist())) == k for r in ids),
+        "ties_lowest_index": all(sorted(t) == (x[j] == tau[j, 0]).nonzero()[: len(t), 0].tolist()
+                                 for j, t in enumerate(ties_taken)),
+        "lse_err": (lse - torch.logsumexp(x, -1)).abs().max().item(),
+    })
+print(json.dumps(out))
+"""
+
+
+def test_vocab_topk_matches_torch_in_interpreter():
+    """Exact top-k (values as torch.topk's, ids that hold them, ties taken lowest index first) and
+    logsumexp: fp32 (four byte passes) and bf16 (two) logits, rows with many ties, k = 1, k = V,
+    several splits."""
+    cases = [(3, 1000, 7, "normal"), (2, 700, 200, "ties"), (4, 5000, 200, "normal"), (1, 64, 64, "normal"),
+             (2, 300, 1, "ties"), (3, 3000, 200, "bf16")]
+    for r in run_check(TOPK_CHECK, cases):
+        assert r["values_equal"] and r["ids_hold_values"] and r["ties_lowest_index"] and r["lse_err"] < 1e-5, r
+
+
 def test_wrappers_refuse_bad_shapes():
     import torch
 
@@ -141,6 +176,11 @@ def test_wrappers_refuse_bad_shapes():
     with pytest.raises(ValueError, match="head dimension must be contiguous"):
         q = torch.randn(4, 16, 2).transpose(1, 2)
         packed_attention(q, torch.randn(4, 2, 16), torch.randn(4, 2, 16), cu, 0.25, 4)
+    from kernels.vocab_topk import vocab_topk
+
+    for k in (0, 11):
+        with pytest.raises(ValueError, match="unsupported k"):
+            vocab_topk(torch.randn(2, 10), k)
     from kernels.prefix_attention import prefix_suffix_attention
 
     with pytest.raises(ValueError, match="unsupported shapes"):
@@ -166,8 +206,8 @@ for arch in json.loads(sys.argv[1]):
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
     ckpt = load_checkpoint(folder)
-    def engine(task, attention):
-        spec, runtime = TaskSpec.from_dict({"precision": "fp32", **task}), RuntimeSpec("cpu", attention)
+    def engine(task, attention, topk="torch"):
+        spec, runtime = TaskSpec.from_dict({"precision": "fp32", **task}), RuntimeSpec("cpu", attention, topk)
         graph, tok = build_graph(ckpt, spec, runtime)
         return Engine(graph, tok, spec, runtime)
     score = {"task": "score", "labels": ["yes", "no"], "max_texts": 4, "max_text_tokens": 48}
@@ -175,16 +215,21 @@ for arch in json.loads(sys.argv[1]):
     a, b = engine(score, "reference").score(texts), engine(score, "triton").score(texts)
     beam = {"task": "beam", "beam_width": 4, "new_tokens": 3, "max_prompt_tokens": 32}
     x, y = engine(beam, "reference").beam("a small language"), engine(beam, "triton").beam("a small language")
+    z = engine(beam, "triton", topk="triton").beam("a small language")
     out[arch] = {"score": max(abs(p - q) for r, s in zip(a, b) for p, q in zip(r, s)),
                  "beam_tokens_equal": [c["token_ids"] for c in x] == [c["token_ids"] for c in y],
-                 "beam_score": max(abs(c["score"] - d["score"]) for c, d in zip(x, y))}
+                 "beam_score": max(abs(c["score"] - d["score"]) for c, d in zip(x, y)),
+                 "topk_tokens_equal": [c["token_ids"] for c in x] == [c["token_ids"] for c in z],
+                 "topk_score": max(abs(c["score"] - d["score"]) for c, d in zip(x, z))}
 print(json.dumps(out))
 """
 
 
 def test_engine_with_triton_attention_equals_reference_in_interpreter():
     """The graphs with the Triton ops (RuntimeSpec(attention="triton")) equal the reference graphs:
-    GQA (qwen2, group 2), MQA with all biases (llama) and QK-norm (qwen3)."""
+    GQA (qwen2, group 2), MQA with all biases (llama) and QK-norm (qwen3); and the beam graph with
+    the Triton vocabulary top-k (RuntimeSpec(topk="triton")) too."""
     result = run_check(ENGINE_CHECK, ["qwen2", "llama", "qwen3"])
     for arch, r in result.items():
         assert r["score"] < 1e-5 and r["beam_tokens_equal"] and r["beam_score"] < 1e-4, (arch, r)
+        assert r["topk_tokens_equal"] and r["topk_score"] < 1e-4, (arch, r)
