@@ -67,8 +67,9 @@ def _byte_pass(x_ptr, prefix_ptr, hist_ptr, max_ptr, sum_ptr, vocab, stride_x, S
         if FIRST:
             take = ok
             xf = x.to(tl.float32)
-            m_new = tl.maximum(m, tl.max(xf, 0))  # every split's first block holds a real column
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(xf - m_new), 0)
+            m_new = tl.maximum(m, tl.max(xf, 0))
+            ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: no NaN from -inf - -inf
+            s = s * tl.exp(m - ref) + tl.sum(tl.exp(xf - ref), 0)
             m = m_new
         else:
             take = ok & ((key >> (SHIFT + 8)) == prefix)
@@ -152,5 +153,6 @@ def vocab_topk(logits: torch.Tensor, k: int, block: int = 2048, splits: int = 16
         logits.stride(0), K=k, SPLIT=split, BLOCK=block,
     )
     top = split_max.max(1).values
+    top = torch.where(top.isneginf(), 0.0, top)  # a row of -inf: logsumexp -inf, as torch's
     lse = top + torch.log((split_sum * torch.exp(split_max - top[:, None])).sum(1))
     return values, ids, lse
