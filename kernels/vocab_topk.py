@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-BYTE = 256  # byte values; the histograms have 512 bins and keys that do not count go to bin 256
+BYTE = 256  # byte values; the histograms have 512 bins, keys that do not count go to the upper half
 _IGNORE = tl.constexpr(256)
 
 
@@ -73,7 +73,10 @@ def _byte_pass(x_ptr, prefix_ptr, hist_ptr, max_ptr, sum_ptr, vocab, stride_x, S
             m = m_new
         else:
             take = ok & ((key >> (SHIFT + 8)) == prefix)
-        hist += tl.histogram(tl.where(take, (key >> SHIFT) & 0xFF, _IGNORE).to(tl.int32), 2 * _IGNORE)
+        # Keys that do not count land in bins 256..511 by their own byte, not all in one bin: a
+        # histogram lowered to shared-memory atomics would serialise on a single hot bin.
+        byte = ((key >> SHIFT) & 0xFF).to(tl.int32)
+        hist += tl.histogram(tl.where(take, byte, byte + _IGNORE), 2 * _IGNORE)
     out = row * tl.num_programs(1) + split
     tl.store(hist_ptr + out * 2 * _IGNORE + tl.arange(0, 2 * _IGNORE), hist)
     if FIRST:
