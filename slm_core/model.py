@@ -6,7 +6,7 @@ and each own a suffix K/V (`[B*W, S, kv_heads, d]`). The module knows nothing of
 quantisation.
 """
 
-from typing import Callable, Mapping
+from typing import Callable, Mapping, NamedTuple
 
 import torch
 from torch import nn
@@ -29,11 +29,37 @@ class RMSNorm(nn.Module):
         return rms_norm_ref(x, self.weight, self.eps)
 
 
+class Ops(NamedTuple):
+    """The per-layer ops a model runs: the PyTorch references (REFERENCE_OPS) or the Triton kernels
+    that implement them (triton_ops()); same signatures."""
+
+    packed_attention: Callable  # (q, k, v, cu_seqlens, scale, max_seqlen) -> o
+    prefix_attention: Callable  # (q, k_prefix, v_prefix, k_suffix, v_suffix, scale, prefix_cu) -> o
+    qkv_rope: Callable  # (qkv, cos, sin, heads, kv_heads, q_weight, k_weight, eps) -> q, k, v
+    silu_mul: Callable  # (gate_up) -> silu(gate) * up
+
+
+REFERENCE_OPS = Ops(
+    lambda q, k, v, cu_seqlens, scale, max_seqlen: packed_attention_ref(q, k, v, cu_seqlens, scale),
+    prefix_suffix_attention_ref, qkv_rope_ref, silu_mul_ref,
+)
+
+
+def triton_ops() -> Ops:
+    """The Triton ops (imported only when asked for: triton is optional on CPU)."""
+    from kernels.packed_attention import packed_attention
+    from kernels.prefix_attention import prefix_suffix_attention
+    from kernels.qkv_rope import qkv_rope
+    from kernels.silu_mul import silu_mul
+
+    return Ops(packed_attention, prefix_suffix_attention, qkv_rope, silu_mul)
+
+
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, kernels: tuple | None = None, max_seqlen: int = 0):
+    def __init__(self, spec: ModelSpec, ops: Ops = REFERENCE_OPS, max_seqlen: int = 0):
         super().__init__()
         self.spec = spec
-        self.kernels = kernels  # (packed, prefix_suffix, qkv_rope, silu_mul) Triton ops, or None for the references
+        self.ops = ops
         self.max_seqlen = max_seqlen  # static grid bound of the packed kernel
         self.qkv = nn.Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size, bias=spec.qkv_bias)
         self.o = nn.Linear(spec.q_size, spec.hidden_size, bias=spec.o_bias)
@@ -45,15 +71,11 @@ class Attention(nn.Module):
         """q [T, Hq, D], k and v [T, Hkv, D]: q and k QK-normed (Qwen3) and rotated."""
         s = self.spec
         norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
-        split = self.kernels[2] if self.kernels is not None else qkv_rope_ref
-        return split(self.qkv(x), cos, sin, s.num_heads, s.num_kv_heads, *norms, s.rms_norm_eps)
+        return self.ops.qkv_rope(self.qkv(x), cos, sin, s.num_heads, s.num_kv_heads, *norms, s.rms_norm_eps)
 
     def prefill(self, x, cos, sin, cu_seqlens) -> tuple[torch.Tensor, KV]:
         q, k, v = self.project(x, cos, sin)
-        if self.kernels is not None:
-            o = self.kernels[0](q, k, v, cu_seqlens, self.scale, self.max_seqlen)
-        else:
-            o = packed_attention_ref(q, k, v, cu_seqlens, self.scale)
+        o = self.ops.packed_attention(q, k, v, cu_seqlens, self.scale, self.max_seqlen)
         return self.o(o.flatten(1)), (k, v)
 
     def decode(self, x, cos, sin, prefix: KV, prefix_cu, suffix: KV | None) -> tuple[torch.Tensor, KV]:
@@ -61,13 +83,12 @@ class Attention(nn.Module):
         k, v = k[:, None], v[:, None]  # [B*W, 1, Hkv, D]
         if suffix is not None:
             k, v = torch.cat([suffix[0], k], dim=1), torch.cat([suffix[1], v], dim=1)
-        attend = self.kernels[1] if self.kernels is not None else prefix_suffix_attention_ref
-        o = attend(q, prefix[0], prefix[1], k, v, self.scale, prefix_cu)
+        o = self.ops.prefix_attention(q, prefix[0], prefix[1], k, v, self.scale, prefix_cu)
         return self.o(o.flatten(1)), (k, v)
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec, silu_mul=silu_mul_ref):
+    def __init__(self, spec: ModelSpec, silu_mul: Callable = silu_mul_ref):
         super().__init__()
         self.gate_up = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
         self.down = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
@@ -78,12 +99,12 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, spec: ModelSpec, kernels: tuple | None, max_seqlen: int):
+    def __init__(self, spec: ModelSpec, ops: Ops, max_seqlen: int):
         super().__init__()
         self.input_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.attn = Attention(spec, kernels, max_seqlen)
+        self.attn = Attention(spec, ops, max_seqlen)
         self.post_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec, kernels[3] if kernels is not None else silu_mul_ref)
+        self.mlp = MLP(spec, ops.silu_mul)
 
     def run(self, x: torch.Tensor, attend: Callable[[torch.Tensor], tuple[torch.Tensor, KV]]):
         a, kv = attend(self.input_norm(x))
@@ -91,23 +112,13 @@ class Block(nn.Module):
         return x + self.mlp(self.post_norm(x)), kv
 
 
-def triton_kernels() -> tuple:
-    """The Triton ops (imported only when asked for: triton is optional on CPU)."""
-    from kernels.packed_attention import packed_attention
-    from kernels.prefix_attention import prefix_suffix_attention
-    from kernels.qkv_rope import qkv_rope
-    from kernels.silu_mul import silu_mul
-
-    return packed_attention, prefix_suffix_attention, qkv_rope, silu_mul
-
-
 class Transformer(nn.Module):
     def __init__(self, spec: ModelSpec, max_positions: int, attention: str = "reference"):
         super().__init__()
         self.spec = spec
         self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        kernels = triton_kernels() if attention == "triton" else None
-        self.layers = nn.ModuleList(Block(spec, kernels, max_positions) for _ in range(spec.num_layers))
+        ops = triton_ops() if attention == "triton" else REFERENCE_OPS
+        self.layers = nn.ModuleList(Block(spec, ops, max_positions) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.max_positions = max_positions

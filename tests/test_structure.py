@@ -59,18 +59,18 @@ def test_beam_linears_see_the_prompt_once_then_one_row_per_beam(qwen3):
 
 def test_prompt_kv_is_stored_once_and_never_copied_per_beam(qwen3, monkeypatch):
     prefill_k, decode_calls = [], []
-    packed, prefix_suffix = slm_core.model.packed_attention_ref, slm_core.model.prefix_suffix_attention_ref
+    reference = slm_core.model.REFERENCE_OPS
 
-    def record_prefill(q, k, v, cu, scale):
+    def record_prefill(q, k, v, cu, scale, max_seqlen):
         prefill_k.append(k)
-        return packed(q, k, v, cu, scale)
+        return reference.packed_attention(q, k, v, cu, scale, max_seqlen)
 
     def record_decode(q, kp, vp, ks, vs, scale, cu):
         decode_calls.append((kp, vp, ks))
-        return prefix_suffix(q, kp, vp, ks, vs, scale, cu)
+        return reference.prefix_attention(q, kp, vp, ks, vs, scale, cu)
 
-    monkeypatch.setattr(slm_core.model, "packed_attention_ref", record_prefill)
-    monkeypatch.setattr(slm_core.model, "prefix_suffix_attention_ref", record_decode)
+    monkeypatch.setattr(slm_core.model, "REFERENCE_OPS",
+                        reference._replace(packed_attention=record_prefill, prefix_attention=record_decode))
     eng = engine_for(qwen3, **BEAM)
     prompt = "a small language model"
     lp = len(text_ids(eng, [prompt])[0])
