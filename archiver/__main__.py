@@ -34,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--deadline-ms", type=float,
                    help="latency a queued request must still meet, sizing the queue when --queue is not given "
                         "(default 80 on CUDA builds; CPU builds, a development path, queue 100)")
+    b.add_argument("--device-ids", type=_ids,
+                   help="CUDA builds: the GPUs this model's workers go to in turn, e.g. 0,1 (TorchServe's deviceIds; "
+                        "default: every GPU of the host, in turn with the other models' workers); the queue "
+                        "for --deadline-ms grows with their number")
     args = parser.parse_args(argv)
     attention = args.attention or ("triton" if args.device.startswith("cuda") else "reference")
 
@@ -42,11 +46,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         build(args.checkpoint, args.task, args.model_name, args.export_path, args.device, args.workers,
               args.response_timeout, attention, args.batch_delay_ms, args.queue, args.cuda_graphs == "on",
-              args.deadline_ms, args.topk)
+              args.deadline_ms, args.topk, args.device_ids)
     except (SpecError, FileNotFoundError) as e:
         print(f"slm-archiver: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        ids = [int(i) for i in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of GPU indices") from None
+    if any(i < 0 for i in ids) or len(set(ids)) != len(ids):
+        raise argparse.ArgumentTypeError(f"{text!r}: GPU indices are distinct and not negative")
+    return ids
 
 
 if __name__ == "__main__":

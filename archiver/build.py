@@ -27,12 +27,14 @@ def progress(message: str) -> None:
 
 
 def model_config(device: str, workers: int, response_timeout: int, batch: int = 1, batch_delay_ms: int = 1,
-                 queue: int = 100, cuda_graphs: bool = True) -> dict:
+                 queue: int = 100, cuda_graphs: bool = True, device_ids: list[int] | None = None) -> dict:
     """TorchServe's per-model settings (model-config.yaml). A worker takes up to `batch` queued
     requests at once and waits at most `batch_delay_ms` for more: with 1 ms, what is queued goes
     at once (TorchServe 0.12 stops collecting after one extra request when the delay is 0). At
-    most `queue` requests wait for a worker; the next ones get an immediate 503. The `handler`
-    section is the handler's own (ctx.model_yaml_config)."""
+    most `queue` requests wait for a worker; the next ones get an immediate 503. Workers go to the
+    GPUs `device_ids` in turn (TorchServe's deviceIds; without them, to all the host's GPUs in
+    turn, shared with the other models). The `handler` section is the handler's own
+    (ctx.model_yaml_config)."""
     return {
         "minWorkers": workers,
         "maxWorkers": workers,
@@ -41,22 +43,24 @@ def model_config(device: str, workers: int, response_timeout: int, batch: int = 
         "jobQueueSize": queue,
         "responseTimeout": response_timeout,
         "deviceType": "gpu" if device.startswith("cuda") else "cpu",
+        **({"deviceIds": list(device_ids)} if device_ids and device.startswith("cuda") else {}),
         "handler": {"cuda_graphs": cuda_graphs},
     }
 
 
-def queue_for_deadline(deadline_ms: float, full_call_ms: float, batch: int) -> int:
+def queue_for_deadline(deadline_ms: float, full_call_ms: float, batch: int, gpus: int = 1) -> int:
     """Requests that may wait for a worker so that the last of them still finishes within the
-    deadline: the GPU serves about `batch` requests per full call whatever the worker count (the
-    workers share it), so a request behind q others finishes after about (q / batch + 1) calls.
-    At least 1."""
-    return max(1, int((deadline_ms - full_call_ms) / full_call_ms * batch))
+    deadline: each GPU serves about `batch` requests per full call whatever its worker count (its
+    workers share it), so a request behind q others finishes after about (q / (batch x gpus) + 1)
+    calls. At least 1."""
+    return max(1, int((deadline_ms - full_call_ms) / full_call_ms * batch * gpus))
 
 
 def build(
     checkpoint: str, task_path: str, model_name: str, export_path: str, device: str = "cpu",
     workers: int = 1, response_timeout: int = 120, attention: str = "reference", batch_delay_ms: int = 1,
     queue: int | None = None, cuda_graphs: bool = True, deadline_ms: float | None = None, topk: str = "torch",
+    device_ids: list[int] | None = None,
 ) -> Path:
     from model_archiver.model_archiver_config import ModelArchiverConfig
     from model_archiver.model_packaging import generate_model_archive
@@ -74,15 +78,17 @@ def build(
             queue = 100  # CPU serving is for development: the latency target is the GPU's
         if queue is None:
             deadline_ms = deadline_ms or 80.0
-            queue = queue_for_deadline(deadline_ms, manifest["full_call_ms"], task.max_batch)
+            gpus = len(device_ids) if device_ids else 1
+            queue = queue_for_deadline(deadline_ms, manifest["full_call_ms"], task.max_batch, gpus)
             progress(f"queue of {queue} for a {deadline_ms:g} ms deadline: a full call of {task.max_batch} "
-                     f"request(s) at the token bounds takes {manifest['full_call_ms']:.1f} ms"
+                     f"request(s) at the token bounds takes {manifest['full_call_ms']:.1f} ms, on {gpus} GPU(s)"
                      + (" (over the deadline on its own)" if manifest["full_call_ms"] > deadline_ms else ""))
         for name in SOURCE_PACKAGES:
             src = Path(importlib.util.find_spec(name).submodule_search_locations[0])
             shutil.copytree(src, stage / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         config = Path(tmp) / "model-config.yaml"
-        settings = model_config(device, workers, response_timeout, task.max_batch, batch_delay_ms, queue, cuda_graphs)
+        settings = model_config(device, workers, response_timeout, task.max_batch, batch_delay_ms, queue, cuda_graphs,
+                                device_ids)
         config.write_text(yaml.safe_dump(settings, sort_keys=False))
         progress(f"writing {export / (model_name + '.mar')}")
         generate_model_archive(ModelArchiverConfig(

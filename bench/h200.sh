@@ -15,7 +15,8 @@
 # The pipeline (`start`) outlives the call: a process in its own session runs on while the machine
 # stays warm, so each next call is just `follow`, back to back (the machine goes back when idle).
 # Needs: carry [".devbundle", "bench/assets"]; $OUT (the device tool's output folder); $COMMIT.
-# Optional: $VARIANTS, $SLM (below), $SYSTEMS (slm,hf: SYSTEMS=slm leaves the peer out), PROFILE=0.
+# Optional: $VARIANTS, $SLM (below), $SYSTEMS (slm,hf: SYSTEMS=slm leaves the peer out), PROFILE=0,
+# $WORKLOADS (default W3,W2,W1). On nvidia-h200-x2, SLM=...,triton:4:8:g2 spreads 4 workers over 2 GPUs.
 set -u
 source .devbundle/setup.sh
 WORK=.bench-work
@@ -25,21 +26,22 @@ VARIANTS=${VARIANTS:-triton:1:8}
 # the deployments measured: CUDA graphs or not (issue 6), a second worker; run 2026-11-29T134254Z
 # measured reference attention, batch 1 and batch 8 (bench/RESULTS.md)
 SLM=${SLM:-triton:1:8,triton:1:8:nographs,triton:2:8}
+WORKLOADS=${WORKLOADS:-W3,W2,W1}
 PIPE=$WORK/out
 ARGS=(--device cuda --tokenizer bench/assets/tokenizer.json --work "$WORK" --commit "$COMMIT")
 
 case "$1" in
 build)
-    python3 -m bench.run "${ARGS[@]}" --jobs 6 --build-only --slm "$VARIANTS" ;;
+    python3 -m bench.run "${ARGS[@]}" --jobs 6 --build-only --slm "$VARIANTS" --workloads "$WORKLOADS" ;;
 check)
-    python3 -m pytest -q -s tests/test_gpu.py -p no:cacheprovider -k "bf16 or export or triton_attention" ;;
+    python3 -m pytest -q -s tests/test_gpu.py -p no:cacheprovider -k "bf16 or export or triton_attention or two_gpus" ;;
 check-full)
     python3 -m pytest -q -s tests/test_gpu.py -p no:cacheprovider ;;
 kernels)
     python3 -m bench.kernels_bench --out "$OUT/kernels_bench.json" ;;
 bench)
     python3 -m bench.run "${ARGS[@]}" --out "$OUT" --warmup 1.5 --duration 3 --slm "$SLM" --no-build \
-        --workloads W3,W2,W1 --hf-workers 4 --systems "${SYSTEMS:-slm,hf}" "${@:2}"
+        --workloads "$WORKLOADS" --hf-workers 4 --systems "${SYSTEMS:-slm,hf}" "${@:2}"
     python3 -m bench.report "$OUT"/*_bench.jsonl --png-dir "$OUT" ;;
 profile)
     # one request per call, with and without CUDA graphs, per built Triton archive
@@ -67,7 +69,7 @@ all)
     touch "$OUT/DONE" ;;
 start)
     mkdir -p "$PIPE" && cp "$0" "$WORK/pipeline.sh"  # runs from a copy: the next call re-sends the tree
-    COMMIT=$COMMIT SLM=$SLM VARIANTS=$VARIANTS SYSTEMS=${SYSTEMS:-slm,hf} PROFILE=${PROFILE:-1} \
+    COMMIT=$COMMIT SLM=$SLM VARIANTS=$VARIANTS WORKLOADS=$WORKLOADS SYSTEMS=${SYSTEMS:-slm,hf} PROFILE=${PROFILE:-1} \
         setsid nohup bash "$WORK/pipeline.sh" all > "$WORK/pipeline.log" 2>&1 < /dev/null &
     sleep 5
     bash "$0" follow ;;

@@ -36,6 +36,7 @@ def label(r: dict) -> str:
     if r["system"] != "slm" or not r.get("attention"):
         return r["system"]
     extra = ([f"×{r['workers']} workers"] if r["workers"] > 1 else []) + (
+        [f"{r['gpus']} GPUs"] if r.get("gpus", 1) > 1 else []) + (
         [f"batch {r['batch']}"] if r.get("batch", 1) > 1 else []) + (
         ["no CUDA graphs"] if r.get("cuda_graphs") is False and r.get("device") != "cpu" else []) + (
         ["Triton top-k"] if r.get("topk") else [])

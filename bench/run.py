@@ -58,7 +58,8 @@ def slm_build(name: str, checkpoint: Path, task: dict, store: Path, device: str,
     (work / f"{name}.yaml").write_text(yaml.safe_dump(task))
     return [sys.executable, "-m", "archiver", "build", "--checkpoint", str(checkpoint), "--task",
             str(work / f"{name}.yaml"), "--model-name", name, "--export-path", str(store), "--device", device,
-            "--attention", attention, "--topk", topk, "--response-timeout", "600"]
+            "--attention", attention, "--topk", topk, "--response-timeout", "600"] + (
+            ["--device-ids", "0"] if device == "cuda" else [])  # one GPU unless a deployment says gN
 
 
 def build_all(commands: dict[str, list[str]], jobs: int, work: Path) -> set[str]:
@@ -96,7 +97,7 @@ def archive_handler(name: str, handler: Path, extra: dict, store: Path, device: 
     for file, content in extra.items():
         (stage / file).write_text(json.dumps(content))
     config = work / f"{name}-config.yaml"
-    config.write_text(yaml.safe_dump(model_config(device, workers=1, response_timeout=600)))
+    config.write_text(yaml.safe_dump(model_config(device, workers=1, response_timeout=600, device_ids=[0])))
     generate_model_archive(ModelArchiverConfig(
         model_name=name, handler=str(handler), version="1.0", extra_files=str(stage), export_path=str(store),
         archive_format="zip-store", force=True, config_file=str(config)))
@@ -119,10 +120,11 @@ def main() -> None:
     p.add_argument("--out", default=str(BENCH / "results"))
     p.add_argument("--workloads", default="W1,W2,W3")
     p.add_argument("--systems", default="slm,hf")
-    p.add_argument("--slm", help="slm variants to measure, comma-separated ATTENTION:WORKERS:BATCH[:nographs|:topk], "
-                                 "e.g. triton:2:8 (BATCH: requests per graph call; nographs: the same archive served "
-                                 "without CUDA graphs; topk: beam archives built with --topk triton). Default: triton:1:1,triton:1:1:nographs on cuda, "
-                                 "reference:1:1 on cpu")
+    p.add_argument("--slm", help="slm variants to measure, comma-separated ATTENTION:WORKERS:BATCH[:OPTION...], "
+                                 "e.g. triton:2:8 (BATCH: requests per graph call). Options: nographs (the same archive "
+                                 "served without CUDA graphs), topk (beam archives built with --topk triton), gN (the "
+                                 "workers spread over GPUs 0..N-1 in turn; otherwise all on GPU 0), e.g. triton:4:8:g2. "
+                                 "Default: triton:1:1,triton:1:1:nographs on cuda, reference:1:1 on cpu")
     p.add_argument("--hf-workers", default="1,4", help="peer worker counts to try; the best is kept")
     p.add_argument("--warmup", type=float, default=2.0)
     p.add_argument("--duration", type=float, default=6.0)
@@ -144,30 +146,30 @@ def main() -> None:
         d.mkdir(parents=True, exist_ok=True)
     workloads, checkpoints, tokenizers, specs = plan(args, work)
     systems = args.systems.split(",")
-    variants = [(v.split(":") + [""])[:4] for v in (args.slm or ("triton:1:1,triton:1:1:nographs"
-                                                                  if args.device == "cuda" else "reference:1:1")).split(",")]
+    variants = [parse_variant(v) for v in (args.slm or ("triton:1:1,triton:1:1:nographs"
+                                                          if args.device == "cuda" else "reference:1:1")).split(",")]
     hf_workers = [int(n) for n in args.hf_workers.split(",")]
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H%M%SZ")
     results = out / f"{stamp}_{'smoke' if args.smoke else 'bench'}.jsonl"
     meta = {"commit": args.commit, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-            "torch": torch.__version__, "date": stamp}
+            "torch": torch.__version__, "date": stamp, "host_gpus": torch.cuda.device_count()}
 
     # One archive per model (W2 and W3 share one) and build variant; deployments choose workers.
     deployments, builds = [], {}
     for model, w in {w.model: w for w in workloads.values()}.items():
         if "slm" in systems:
-            for attention, workers, batch, option in variants:
-                batch = int(batch)
-                topk = option == "topk" and w.task["task"] == "beam"  # a build option of beam archives
+            for attention, workers, batch, options in variants:
+                topk = "topk" in options and w.task["task"] == "beam"  # a build option of beam archives
                 mar = f"slm_{model}_{attention}_b{batch}" + ("_topk" if topk else "")
                 task = {**w.task, "max_batch": batch}
                 if mar not in builds and (argv := slm_build(mar, checkpoints[w.name], task, store, args.device,
                                                             attention, work, "triton" if topk else "torch")):
                     builds[mar] = argv
-                # nographs: a copy of the archive whose handler settings turn CUDA graphs off
-                served = f"{mar}_{option}" if option == "nographs" else mar
-                d = Deployment("slm", f"{served}_x{workers}", f"{served}.mar", int(workers), attention, batch,
-                               cuda_graphs=option != "nographs", topk=topk)
+                # nographs, gN: served from a copy of the archive with those settings (configured_copy)
+                gpus = next((int(o[1:]) for o in options if o[0] == "g"), 1)
+                served = mar + ("_nographs" if "nographs" in options else "") + (f"_g{gpus}" if gpus > 1 else "")
+                d = Deployment("slm", f"{served}_x{workers}", f"{served}.mar", workers, attention, batch,
+                               cuda_graphs="nographs" not in options, topk=topk, gpus=gpus, built=f"{mar}.mar")
                 if d not in deployments:
                     deployments.append(d)
         if "hf" in systems:
@@ -177,13 +179,12 @@ def main() -> None:
             deployments += [Deployment("hf", f"hf_{model}_x{n}", f"hf_{model}.mar", n) for n in hf_workers]
     archive_handler("noop", BENCH / "noop_handler.py", {}, store, "cpu", work)
     failed = set(builds) if args.no_build else build_all(builds, args.jobs, work)
-    deployments = [d for d in deployments if d.mar.removesuffix(".mar") not in failed]
+    deployments = [d for d in deployments if d.built.removesuffix(".mar") not in failed]
     if failed:
         log(f"SKIPPED (not built): {sorted(failed)}")
     for d in deployments:
-        src = store / d.mar.replace("_nographs", "")
-        if not d.cuda_graphs and not (store / d.mar).exists() and src.exists():
-            without_cuda_graphs(src, store / d.mar)
+        if d.built and d.mar != d.built and not (store / d.mar).exists() and (store / d.built).exists():
+            configured_copy(store / d.built, store / d.mar, d.cuda_graphs, d.gpus)
     deployments = [d for d in deployments if d.system != "slm" or (store / d.mar).exists()]
     if args.build_only:
         sys.exit(1 if failed else 0)
@@ -197,7 +198,7 @@ def main() -> None:
     def record(d: Deployment, workload: str, point, flops_per_request: float) -> None:
         before, totals[d.name] = totals.get(d.name, {}), frontend_totals(server, d.name)
         rec = {"system": d.system, "attention": d.attention, "batch": d.batch, "cuda_graphs": d.cuda_graphs,
-               "topk": d.topk,
+               "topk": d.topk, "gpus": d.gpus, "worker_gpus": placed.get(d.name),
                "workload": workload, **frontend_means(before, totals[d.name]),
                "workers": d.workers, **dataclasses.asdict(point), **meta, "flops_per_request": flops_per_request,
                # every FLOP is bf16 until an FP8 build exists, so the two figures agree
@@ -218,12 +219,13 @@ def main() -> None:
         start = time.monotonic()
         for d in deployments:
             server.register(d.mar, d.workers, name=d.name, synchronous=False)
-        ready = set()
+        ready, placed = set(), {}
         for d in deployments:
             try:  # one deployment that does not come up is reported and skipped, not waited on forever
                 server.wait_ready(d.name, d.workers, timeout=max(60.0, args.load_timeout - (time.monotonic() - start)))
                 ready.add(d)
-                log(f"{d.name}: {d.workers} worker(s) ready after {time.monotonic() - start:.0f} s")
+                placed[d.name] = worker_gpus(server, d.name)
+                log(f"{d.name}: {d.workers} worker(s) ready after {time.monotonic() - start:.0f} s, on GPUs {placed[d.name]}")
             except TimeoutError as e:
                 log(f"SKIPPED {e}")
         bodies = {w.name: TextMaker(tokenizers[w.name], seed=1).requests(w, args.requests) for w in workloads.values()}
@@ -263,6 +265,25 @@ class Deployment:
     batch: int = 1  # slm score: requests per graph call
     cuda_graphs: bool = True  # slm on CUDA: calls replay CUDA graphs
     topk: bool = False  # slm beam: built with --topk triton (kernels/vocab_topk.py)
+    gpus: int = 1  # workers spread over GPUs 0..gpus-1 (TorchServe deviceIds)
+    built: str = ""  # slm: the archive built, when `mar` is a configured copy of it
+
+
+def parse_variant(text: str) -> tuple[str, int, int, tuple[str, ...]]:
+    """ATTENTION:WORKERS:BATCH[:OPTION...] -> (attention, workers, batch, options); see --slm."""
+    attention, workers, batch, *options = text.split(":")
+    for o in options:
+        if o not in ("nographs", "topk") and not (o[:1] == "g" and o[1:].isdigit() and int(o[1:]) > 0):
+            raise SystemExit(f"--slm {text}: unknown option {o!r} (nographs, topk, gN)")
+    return attention, int(workers), int(batch), tuple(options)
+
+
+def worker_gpus(server: TorchServe, model: str) -> list[int | None]:
+    """The GPU of each of a model's workers, from TorchServe's own account (gpuUsage names it)."""
+    import re
+
+    found = [re.search(r"gpuId::(\d+)", w.get("gpuUsage") or "") for w in server.workers(model)]
+    return [int(m.group(1)) if m else None for m in found]
 
 
 FRONTEND = ("ts_inference_requests_total", "ts_inference_latency_microseconds", "ts_queue_latency_microseconds")
@@ -298,8 +319,10 @@ def frontend_means(before: dict[str, float], after: dict[str, float]) -> dict[st
     return {"ts_requests": n, "ts_frontend_ms": per[FRONTEND[1]], "ts_queue_ms": per[FRONTEND[2]]}
 
 
-def without_cuda_graphs(src: Path, dst: Path) -> None:
-    """A copy of the archive `src` whose model-config.yaml turns the handler's CUDA graphs off."""
+def configured_copy(src: Path, dst: Path, cuda_graphs: bool = True, gpus: int = 1) -> None:
+    """A copy of the archive `src` whose model-config.yaml turns the handler's CUDA graphs off
+    (cuda_graphs=False) and spreads the workers over GPUs 0..gpus-1, with a queue `gpus` times as
+    long (they serve that much more within the deadline, archiver.build.queue_for_deadline)."""
     import zipfile
 
     with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as zout:
@@ -307,7 +330,11 @@ def without_cuda_graphs(src: Path, dst: Path) -> None:
             data = zin.read(item.filename)
             if item.filename == "model-config.yaml":
                 config = yaml.safe_load(data)
-                config["handler"] = {**(config.get("handler") or {}), "cuda_graphs": False}
+                if not cuda_graphs:
+                    config["handler"] = {**(config.get("handler") or {}), "cuda_graphs": False}
+                if gpus > 1:
+                    config["deviceIds"] = list(range(gpus))
+                    config["jobQueueSize"] = config["jobQueueSize"] * gpus
                 data = yaml.safe_dump(config, sort_keys=False).encode()
             zout.writestr(item, data)
 

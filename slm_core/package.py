@@ -31,7 +31,10 @@ TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
 # A beam score sums N bf16 log-probs over the whole vocabulary: transformers' own bf16 beam scores
 # are 0.08-0.21 from fp32 on the H200 (bench/results/2026-11-29_engine_gpu_*), so a compiled graph
 # that fuses differently from eager may differ by as much.
-BEAM_TOLERANCE = {"fp32": 1e-4, "bf16": 0.25}
+# In fp32 a beam score is a sum of up to new_tokens differences of two numbers of 10-30 (a logit
+# and the vocabulary's logsumexp); compiled and eager block the GEMMs differently, and SmolLM2's
+# CPU build measured 1.5e-4 once (2026-11-30, same candidates), against 1e-4 as a bound before.
+BEAM_TOLERANCE = {"fp32": 1e-3, "bf16": 0.25}
 MIN_SHARED = {"fp32": 1.0, "bf16": 0.75}
 CHECK_TEXTS = [
     "cheap flights from berlin to rome in may",
@@ -202,7 +205,7 @@ def load_package(model_dir: str | Path, gpu_id: int | None = None, cuda_graphs: 
     if manifest["device"] == "cuda":
         if not torch.cuda.is_available():
             raise SpecError("package was built for cuda, but this worker has no CUDA device: rebuild with --device cpu")
-        device = torch.device("cuda", gpu_id or 0)
+        device = worker_device(gpu_id)
         if list(torch.cuda.get_device_capability(device)) != built["capability"]:
             raise SpecError(f"package was built for GPU capability {built['capability']} ({built['gpu']}), "
                             f"this GPU is {torch.cuda.get_device_name(device)}: rebuild it on this GPU type")
@@ -217,9 +220,23 @@ def load_package(model_dir: str | Path, gpu_id: int | None = None, cuda_graphs: 
     return Engine(torch._inductor.aoti_load_package(path), tokenizer, task, runtime)
 
 
+def worker_device(gpu_id: int | None) -> torch.device:
+    """`cuda:{gpu_id}` (TorchServe's GPU for this worker; cuda:0 without one), made the process's
+    current device before anything is loaded, so that what follows without an explicit device
+    (AOTInductor's kernels, pinned buffers, CUDA-graph capture streams and pool) lands there too:
+    a worker never touches another GPU."""
+    index = 0 if gpu_id is None else int(gpu_id)
+    if not 0 <= index < torch.cuda.device_count():
+        raise SpecError(f"worker was given GPU {gpu_id}, this host has {torch.cuda.device_count()} "
+                        "(TorchServe's number_of_gpu or the archive's deviceIds name a GPU that is not there)")
+    device = torch.device("cuda", index)
+    torch.cuda.set_device(device)
+    return device
+
+
 def _cuda_engine(path: str, tokenizer: PackedTokenizer, task: TaskSpec, runtime: RuntimeSpec, device: torch.device,
                  cuda_graphs: bool) -> Engine:
     """A CUDA package's Engine; with cuda_graphs, its calls replay CUDA graphs (slm_core.replay),
     which needs the package loaded single-threaded (FACTS.md)."""
-    graph = torch._inductor.aoti_load_package(path, run_single_threaded=cuda_graphs, device_index=device.index or 0)
+    graph = torch._inductor.aoti_load_package(path, run_single_threaded=cuda_graphs, device_index=device.index)
     return Engine(graph, tokenizer, task, runtime, CudaGraphs(graph, task, device) if cuda_graphs else None)

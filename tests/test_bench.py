@@ -96,26 +96,40 @@ def test_harness_smoke_on_cpu(demo, tmp_path):
     assert "| of which graph call |" in report
 
 
-def test_nographs_variant_is_the_same_archive_with_cuda_graphs_off(tmp_path):
-    """bench's `:nographs` deployments serve a copy of the archive whose handler settings turn
-    CUDA graphs off; everything else in it is byte for byte the same."""
+def test_configured_copies_change_only_their_settings(tmp_path):
+    """bench's `:nographs` and `:gN` deployments serve a copy of the archive whose model-config.yaml
+    turns CUDA graphs off, or spreads the workers over GPUs 0..N-1 with an N times longer queue;
+    everything else in it is byte for byte the same."""
     import zipfile
 
     import yaml
 
     from archiver.build import model_config
-    from bench.run import without_cuda_graphs
+    from bench.run import configured_copy
 
-    src, dst = tmp_path / "a.mar", tmp_path / "a_nographs.mar"
+    src = tmp_path / "a.mar"
     with zipfile.ZipFile(src, "w") as z:
-        z.writestr("model-config.yaml", yaml.safe_dump(model_config("cuda", 1, 60, batch=8)))
+        z.writestr("model-config.yaml", yaml.safe_dump(model_config("cuda", 1, 60, batch=8, queue=6, device_ids=[0])))
         z.writestr("graph.pt2", b"\x00weights" * 100)
-    without_cuda_graphs(src, dst)
-    with zipfile.ZipFile(src) as a, zipfile.ZipFile(dst) as b:
-        assert yaml.safe_load(a.read("model-config.yaml"))["handler"] == {"cuda_graphs": True}
-        config = yaml.safe_load(b.read("model-config.yaml"))
-        assert config["handler"] == {"cuda_graphs": False} and config["batchSize"] == 8
-        assert a.read("graph.pt2") == b.read("graph.pt2")
+    configured_copy(src, tmp_path / "nographs.mar", cuda_graphs=False)
+    configured_copy(src, tmp_path / "g2.mar", gpus=2)
+    with zipfile.ZipFile(src) as a, zipfile.ZipFile(tmp_path / "nographs.mar") as b, \
+            zipfile.ZipFile(tmp_path / "g2.mar") as c:
+        base = yaml.safe_load(a.read("model-config.yaml"))
+        assert base["handler"] == {"cuda_graphs": True} and base["deviceIds"] == [0]
+        assert yaml.safe_load(b.read("model-config.yaml")) == {**base, "handler": {"cuda_graphs": False}}
+        assert yaml.safe_load(c.read("model-config.yaml")) == {**base, "deviceIds": [0, 1], "jobQueueSize": 12}
+        assert a.read("graph.pt2") == b.read("graph.pt2") == c.read("graph.pt2")
+
+
+def test_variants_parse_options_and_refuse_unknown_ones():
+    from bench.run import parse_variant
+
+    assert parse_variant("triton:2:8") == ("triton", 2, 8, ())
+    assert parse_variant("triton:4:8:g2:topk") == ("triton", 4, 8, ("g2", "topk"))
+    for bad in ("triton:1:8:gpu2", "triton:1:8:g0", "triton:1:8:fast"):
+        with pytest.raises(SystemExit, match="unknown option"):
+            parse_variant(bad)
 
 
 def test_report_labels_name_each_build_and_serving_option():
@@ -123,4 +137,5 @@ def test_report_labels_name_each_build_and_serving_option():
     assert label(base) == "slm (triton, batch 8)"
     assert label({**base, "workers": 2, "cuda_graphs": False}) == "slm (triton, ×2 workers, batch 8, no CUDA graphs)"
     assert label({**base, "topk": True}) == "slm (triton, batch 8, Triton top-k)"
+    assert label({**base, "workers": 4, "gpus": 2}) == "slm (triton, ×4 workers, 2 GPUs, batch 8)"
     assert label({"system": "hf", "workers": 4}) == "hf"

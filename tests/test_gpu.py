@@ -262,3 +262,75 @@ def test_vocab_topk_beam_graph_bf16_on_cuda(random_checkpoint):
     assert len({tuple(c["token_ids"]) for c in x} & {tuple(c["token_ids"]) for c in y}) >= 14
     assert x[0]["score"] == pytest.approx(y[0]["score"], abs=1e-3)
     export_graph(tri.graph, tri.task)
+
+
+SECOND_GPU = """
+import json, sys, torch
+from slm_core.package import load_package
+engine = load_package(sys.argv[1], gpu_id=1)
+rows = engine.score(json.loads(sys.argv[2]))
+print(json.dumps({"device": str(engine.device), "current": torch.cuda.current_device(), "rows": rows,
+                  "reserved": [torch.cuda.memory_reserved(i) for i in range(2)],
+                  "replayed": len(engine.replay.graphs)}))
+"""
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (the device tool's nvidia-h200-x2)")
+def test_two_gpus_one_package_workers_on_each(random_checkpoint, tmp_path):
+    """One CUDA archive with --device-ids 0,1 --workers 2 (issue 9): the package built on GPU 0
+    loads on GPU 1 and answers as on GPU 0, with nothing of the engine's on GPU 0 (its own
+    process); through TorchServe its two workers sit one per GPU and every answer is the same."""
+    import concurrent.futures
+    import json
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+    from pathlib import Path
+
+    import yaml
+
+    from archiver.__main__ import main
+    from bench.run import worker_gpus
+    from handlers.local_server import TorchServe
+    from slm_core.package import load_package
+
+    folder, _ = random_checkpoint("qwen3")
+    task = dict(task="score", labels=["yes", "no"], max_texts=8, max_text_tokens=64, precision="bf16")
+    (tmp_path / "task.yaml").write_text(yaml.safe_dump(task))
+    store = tmp_path / "store"
+    assert main(["build", "--checkpoint", str(folder), "--task", str(tmp_path / "task.yaml"), "--model-name", "two",
+                 "--export-path", str(store), "--device", "cuda", "--workers", "2", "--device-ids", "0,1"]) == 0
+    unpacked = tmp_path / "unpacked"
+    zipfile.ZipFile(store / "two.mar").extractall(unpacked)
+    assert yaml.safe_load((unpacked / "model-config.yaml").read_text())["deviceIds"] == [0, 1]
+    on_first = load_package(unpacked, gpu_id=0).score(RANDOM_TEXTS)
+
+    repo = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-c", SECOND_GPU, str(unpacked), json.dumps(RANDOM_TEXTS)], cwd=repo,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    second = json.loads(run.stdout.strip().splitlines()[-1])
+    assert second["device"] == "cuda:1" and second["current"] == 1 and second["replayed"] >= 1
+    assert second["reserved"][0] == 0 and second["reserved"][1] > 0, second["reserved"]
+    for row, ref in zip(second["rows"], on_first):
+        assert row == pytest.approx(ref, abs=1e-6)
+
+    if shutil.which("torchserve") is None or shutil.which("java") is None:
+        pytest.skip("TorchServe/Java not installed here (source .devbundle/setup.sh on the GPU machine)")
+    (tmp_path / "server").mkdir()
+    server = TorchServe(tmp_path / "server", store).start()
+    try:
+        server.register("two.mar", 2)
+        assert sorted(worker_gpus(server, "two")) == [0, 1]
+        body = json.dumps({"texts": RANDOM_TEXTS}).encode()
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda _: server.predict("two", body), range(32)))
+        assert all(status == 200 for status, _ in answers)
+        for _, got in answers:
+            for row, ref in zip(json.loads(got)["scores"], on_first):
+                assert row == pytest.approx(ref, abs=1e-6)
+        log = (tmp_path / "server" / "logs" / "model_log.log").read_text()
+        assert "task on cuda:0" in log and "task on cuda:1" in log
+    finally:
+        server.stop()

@@ -1,7 +1,10 @@
 """Compiled packages: equal to eager, manifest contents, refusal of incompatible builds, and the
 handler lifecycle with a mock TorchServe context."""
 
+import argparse
 import json
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -79,6 +82,19 @@ def test_the_queue_is_sized_for_the_deadline(archives):
     assert config["jobQueueSize"] == queue_for_deadline(80, beam["full_call_ms"], beam["task"]["max_batch"])
     score = yaml.safe_load((archives["tiny_score"] / "model-config.yaml").read_text())
     assert score["jobQueueSize"] == 30  # built with --queue 30
+    assert queue_for_deadline(80, 10, 8, gpus=2) == 112  # workers spread over two GPUs serve twice as many
+
+
+def test_device_ids_reach_model_config_of_cuda_builds():
+    from archiver.__main__ import _ids
+    from archiver.build import model_config
+
+    assert model_config("cuda", 2, 60, device_ids=[0, 1])["deviceIds"] == [0, 1]
+    assert "deviceIds" not in model_config("cuda", 2, 60) and "deviceIds" not in model_config("cpu", 1, 60, device_ids=[0])
+    assert _ids("0,1") == [0, 1]
+    for bad in ("0,0", "-1", "a"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _ids(bad)
 
 
 @pytest.mark.parametrize(
@@ -111,6 +127,67 @@ def test_cuda_package_refused_without_cuda(archives, tmp_path):
     (copy / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(SpecError, match="built for cuda, but this worker has no CUDA device"):
         load_package(copy)
+
+
+def _as_cuda_package(archives, tmp_path) -> Path:
+    """A copy of tiny_score whose manifest says it was built for CUDA capability 9.0."""
+    import shutil
+
+    copy = tmp_path / "pkg"
+    shutil.copytree(archives["tiny_score"], copy)
+    manifest = json.loads((copy / MANIFEST).read_text())
+    manifest.update(device="cuda")
+    manifest["versions"]["capability"] = [9, 0]
+    (copy / MANIFEST).write_text(json.dumps(manifest))
+    return copy
+
+
+class FakeCuda:
+    """Two H200s as torch.cuda reports them, recording what the worker does with them; the graph
+    loader, CUDA-graph replay and engine record where they were put instead of touching a GPU."""
+
+    def __init__(self, monkeypatch):
+        import slm_core.package as package
+
+        self.calls = []
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: self.record("capability", d) or (9, 0))
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H200")
+        monkeypatch.setattr(torch.cuda, "set_device", lambda d: self.record("set_device", d))
+        monkeypatch.setattr(torch._inductor, "aoti_load_package",
+                            lambda path, **kw: self.record("load", kw) or "graph")
+        monkeypatch.setattr(package, "CudaGraphs", lambda graph, task, device: self.record("replay", device) or "replay")
+        monkeypatch.setattr(package, "Engine", lambda graph, tok, task, runtime, replay=None:
+                            self.record("engine", (graph, runtime.device, replay))
+                            or SimpleNamespace(task=task, device=torch.device(runtime.device), replay=replay))
+
+    def record(self, what, arg):
+        self.calls.append((what, arg))
+
+
+@pytest.mark.parametrize("gpu_id, index", [(1, 1), (0, 0), (None, 0)])
+def test_worker_places_everything_on_its_gpu(archives, tmp_path, monkeypatch, gpu_id, index):
+    """TorchServe gives each worker a gpu_id (round-robin over the GPUs or the archive's
+    deviceIds): the handler makes it the current device before anything is loaded, then loads the
+    compiled graph, the CUDA-graph replay and the engine's buffers onto cuda:{gpu_id}."""
+    cuda = FakeCuda(monkeypatch)
+    ctx = MockContext(_as_cuda_package(archives, tmp_path))
+    ctx.system_properties["gpu_id"] = gpu_id
+    handler = SlmHandler()
+    handler.initialize(ctx)
+    device = torch.device("cuda", index)
+    assert handler.engine.device == device
+    assert cuda.calls == [("set_device", device), ("capability", device),
+                          ("load", {"run_single_threaded": True, "device_index": index}),
+                          ("replay", device), ("engine", ("graph", str(device), "replay"))]
+
+
+def test_worker_given_a_gpu_the_host_lacks_is_refused(archives, tmp_path, monkeypatch):
+    cuda = FakeCuda(monkeypatch)
+    with pytest.raises(SpecError, match="worker was given GPU 2, this host has 2"):
+        load_package(_as_cuda_package(archives, tmp_path), gpu_id=2)
+    assert cuda.calls == []  # refused before touching any device
 
 
 class MockContext:

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Entrypoint of one GPU replica: build the archives this GPU lacks, then serve every archive.
+#
+# An archive is tied to the torch version and GPU architecture it was built on (README.md), so it is
+# built here, on the replica's own GPU, the first time: one NAME.mar per task YAML NAME.yaml. The
+# model store is a volume: later starts, and other replicas of the same GPU type sharing it, reuse
+# what is there. Settings (environment, defaults in brackets):
+#   CHECKPOINT [/models/checkpoint]   HF-style directory or .gguf file
+#   TASKS_DIR [/models/tasks]         one NAME.yaml per model (archiver/tasks/ has examples)
+#   MODEL_STORE [/models/model-store] where NAME.mar is built and served from
+#   DEVICE [cuda]                     cpu exercises this script without a GPU
+#   ARCHIVER_ARGS []                  extra `python -m archiver build` flags, e.g. "--deadline-ms 50"
+#   TS_CONFIG [config.properties beside this script]   PYTHON [python3]
+#   BUILD_ONLY [0]                    1: build, then exit 0 instead of serving
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+CHECKPOINT=${CHECKPOINT:-/models/checkpoint}
+TASKS_DIR=${TASKS_DIR:-/models/tasks}
+MODEL_STORE=${MODEL_STORE:-/models/model-store}
+DEVICE=${DEVICE:-cuda}
+ARCHIVER_ARGS=${ARCHIVER_ARGS:-}
+TS_CONFIG=${TS_CONFIG:-$here/config.properties}
+PYTHON=${PYTHON:-python3}
+BUILD_ONLY=${BUILD_ONLY:-0}
+
+refuse() {
+  echo "serve.sh: $*" >&2
+  exit 2
+}
+
+shopt -s nullglob
+tasks=("$TASKS_DIR"/*.yaml "$TASKS_DIR"/*.yml)
+((${#tasks[@]})) || refuse "no task YAML in TASKS_DIR=$TASKS_DIR (one NAME.yaml per model to serve as NAME)"
+[[ -e $CHECKPOINT ]] || refuse "no checkpoint at CHECKPOINT=$CHECKPOINT (an HF-style directory or a .gguf file)"
+mkdir -p "$MODEL_STORE"
+read -r -a extra_args <<<"$ARCHIVER_ARGS"
+
+# AOTInductor packages segfault at load when a libstdc++ older than the compiler's is loaded first
+# (FACTS.md, H200); preloading the compiler's own is harmless where that cannot happen. Both the
+# build (it checks the compiled graph) and TorchServe's workers load packages.
+if [[ -z ${LD_PRELOAD:-} ]] && command -v g++ >/dev/null; then
+  libstdcxx=$(g++ -print-file-name=libstdc++.so.6)
+  if [[ $libstdcxx == /* ]]; then export LD_PRELOAD=$libstdcxx; fi
+fi
+
+build() { # build() TASK NAME: NAME.mar into the model store, unless it is there
+  local task=$1 name=$2 mar=$MODEL_STORE/$2.mar lock tmp
+  if [[ -f $mar ]]; then
+    echo "serve.sh: $name.mar is in $MODEL_STORE, reusing it (delete it to rebuild)"
+    return
+  fi
+  # One builder per archive among the replicas sharing the store; the others wait, then reuse it.
+  exec {lock}>"$MODEL_STORE/.$name.lock"
+  flock "$lock"
+  if [[ -f $mar ]]; then
+    echo "serve.sh: $name.mar was built by another replica, reusing it"
+  else
+    # Build beside the store (same filesystem: the rename is atomic), under a hidden name that
+    # TorchServe skips: a crashed build never leaves a half archive to load. Leftovers of a build
+    # killed earlier are removed here, where no one else can be building this name.
+    rm -rf "$MODEL_STORE/.build-$name".*
+    tmp=$(mktemp -d "$MODEL_STORE/.build-$name.XXXXXX")
+    echo "serve.sh: building $name.mar from $task on $DEVICE (minutes: export, compile, check)"
+    "$PYTHON" -m archiver build --checkpoint "$CHECKPOINT" --task "$task" --model-name "$name" \
+      --export-path "$tmp" --device "$DEVICE" "${extra_args[@]}"
+    mv -f "$tmp/$name.mar" "$mar"
+    rm -rf "$tmp"
+  fi
+  exec {lock}>&-
+}
+
+for task in "${tasks[@]}"; do
+  name=$(basename "$task")
+  build "$task" "${name%.*}"
+done
+
+if [[ $BUILD_ONLY == 1 ]]; then
+  exit 0
+fi
+exec torchserve --start --foreground --ncs --ts-config "$TS_CONFIG" --model-store "$MODEL_STORE" --models all
