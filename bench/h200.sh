@@ -15,7 +15,7 @@
 # The pipeline (`start`) outlives the call: a process in its own session runs on while the machine
 # stays warm, so each next call is just `follow`, back to back (the machine goes back when idle).
 # Needs: carry [".devbundle", "bench/assets"]; $OUT (the device tool's output folder); $COMMIT.
-# Optional: $VARIANTS, $SLM (below), $SYSTEMS (slm,hf: SYSTEMS=slm leaves the peer out), PROFILE=0,
+# Optional: $VARIANTS, $SLM (below), $SYSTEMS (slm,hf: SYSTEMS=slm leaves the peer out), PROFILE=0, CHECK=0,
 # $WORKLOADS (default W3,W2,W1). On nvidia-h200-x2, SLM=...,triton:4:8:g2 spreads 4 workers over 2 GPUs.
 set -u
 source .devbundle/setup.sh
@@ -62,14 +62,14 @@ all)
     export OUT=$PIPE
     mkdir -p "$OUT"
     bash "$0" build > "$OUT/build.log" 2>&1 &
-    { bash "$0" check > "$OUT/check.log" 2>&1; bash "$0" kernels > "$OUT/kernels.log" 2>&1; } &
+    [ "${CHECK:-1}" = 1 ] && { bash "$0" check > "$OUT/check.log" 2>&1; bash "$0" kernels > "$OUT/kernels.log" 2>&1; } &
     wait
     bash "$0" bench > "$OUT/bench.log" 2>&1
     [ "${PROFILE:-1}" = 1 ] && bash "$0" profile > "$OUT/profile.log" 2>&1
     touch "$OUT/DONE" ;;
 start)
     mkdir -p "$PIPE" && cp "$0" "$WORK/pipeline.sh"  # runs from a copy: the next call re-sends the tree
-    COMMIT=$COMMIT SLM=$SLM VARIANTS=$VARIANTS WORKLOADS=$WORKLOADS SYSTEMS=${SYSTEMS:-slm,hf} PROFILE=${PROFILE:-1} \
+    COMMIT=$COMMIT SLM=$SLM VARIANTS=$VARIANTS WORKLOADS=$WORKLOADS SYSTEMS=${SYSTEMS:-slm,hf} PROFILE=${PROFILE:-1} CHECK=${CHECK:-1} \
         setsid nohup bash "$WORK/pipeline.sh" all > "$WORK/pipeline.log" 2>&1 < /dev/null &
     sleep 5
     bash "$0" follow ;;

@@ -194,6 +194,7 @@ def main() -> None:
     server = TorchServe(server_dir, store).start()
 
     totals: dict[str, dict[str, float]] = {}  # per deployment, TorchServe's counters at its last point
+    placed: dict[str, list[int | None]] = {}  # per deployment, its workers' GPUs
 
     def record(d: Deployment, workload: str, point, flops_per_request: float) -> None:
         before, totals[d.name] = totals.get(d.name, {}), frontend_totals(server, d.name)
@@ -219,7 +220,7 @@ def main() -> None:
         start = time.monotonic()
         for d in deployments:
             server.register(d.mar, d.workers, name=d.name, synchronous=False)
-        ready, placed = set(), {}
+        ready = set()
         for d in deployments:
             try:  # one deployment that does not come up is reported and skipped, not waited on forever
                 server.wait_ready(d.name, d.workers, timeout=max(60.0, args.load_timeout - (time.monotonic() - start)))
