@@ -125,6 +125,7 @@ def main() -> None:
                                  "served without CUDA graphs), topk (beam archives built with --topk triton), gN (the "
                                  "workers spread over GPUs 0..N-1 in turn; otherwise all on GPU 0), e.g. triton:4:8:g2. "
                                  "Default: triton:1:1,triton:1:1:nographs on cuda, reference:1:1 on cpu")
+    p.add_argument("--levels", default=",".join(map(str, LEVELS)), help="concurrency levels swept")
     p.add_argument("--hf-workers", default="1,4", help="peer worker counts to try; the best is kept")
     p.add_argument("--warmup", type=float, default=2.0)
     p.add_argument("--duration", type=float, default=6.0)
@@ -146,6 +147,7 @@ def main() -> None:
         d.mkdir(parents=True, exist_ok=True)
     workloads, checkpoints, tokenizers, specs = plan(args, work)
     systems = args.systems.split(",")
+    levels = [int(c) for c in args.levels.split(",")]
     variants = [parse_variant(v) for v in (args.slm or ("triton:1:1,triton:1:1:nographs"
                                                           if args.device == "cuda" else "reference:1:1")).split(",")]
     hf_workers = [int(n) for n in args.hf_workers.split(",")]
@@ -240,10 +242,10 @@ def main() -> None:
             encoded = [json.dumps(b).encode() for b in bodies[w.name]]
             for d in serving[w.name]:
                 url = f"{server.inference}/predictions/{d.name}"
-                for c in ([] if args.smoke else [c for c in LEVELS if c <= max(2, 2 * d.batch * d.workers)]):
+                for c in ([] if args.smoke else [c for c in levels if c <= max(2, 2 * d.batch * d.workers)]):
                     measure(url, encoded, c, 0.0, args.prewarm)  # steady state first: not recorded
                 totals[d.name] = frontend_totals(server, d.name)
-                sweep(url, encoded, LEVELS[:2] if args.smoke else LEVELS, args.warmup, args.duration,
+                sweep(url, encoded, levels[:2] if args.smoke else levels, args.warmup, args.duration,
                       on_point=lambda pt: record(d, w.name, pt, mean_flops(pt, per_body)))
     finally:
         server.stop()
