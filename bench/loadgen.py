@@ -27,6 +27,7 @@ class Point:
     handler_ms: float = float("nan")
     graph_ms: float = float("nan")
     call_batch: float = float("nan")
+    captured: int = 0  # answers in the window whose graph call captured a CUDA graph (X-Slm-Captured)
 
     def meets_slo(self, mean_ms: float = 20.0, p99_ms: float = 80.0) -> bool:
         return self.completed > 0 and self.errors == 0 and self.mean_ms < mean_ms and self.p99_ms < p99_ms
@@ -41,7 +42,7 @@ async def _run(url: str, bodies: list[bytes], concurrency: int, warmup: float, d
     latencies: list[float] = []
     done: list[int] = []
     split: list[tuple[float, float, float]] = []  # X-Slm-* headers of the answers in the window
-    errors = 0
+    errors = captured = 0
     counter = 0
     start = time.perf_counter()
     window = (start + warmup, start + warmup + duration)
@@ -51,17 +52,17 @@ async def _run(url: str, bodies: list[bytes], concurrency: int, warmup: float, d
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
 
         async def client():
-            nonlocal errors, counter
+            nonlocal errors, counter, captured
             while time.perf_counter() < window[1]:
                 i = counter % len(bodies)
                 counter += 1
                 sent = time.perf_counter()
-                times = [None]
+                times = [None] * 4
                 try:
                     async with session.post(url, data=bodies[i], headers={"Content-Type": "application/json"}) as r:
                         await r.read()
                         ok = r.status == 200
-                        times = [r.headers.get(f"X-Slm-{h}") for h in ("Handler-Ms", "Graph-Ms", "Batch")]
+                        times = [r.headers.get(f"X-Slm-{h}") for h in ("Handler-Ms", "Graph-Ms", "Batch", "Captured")]
                 except (aiohttp.ClientError, asyncio.TimeoutError):
                     ok = False
                 end = time.perf_counter()
@@ -69,8 +70,9 @@ async def _run(url: str, bodies: list[bytes], concurrency: int, warmup: float, d
                     if ok:
                         latencies.append((end - sent) * 1e3)
                         done.append(i)
-                        if None not in times:
-                            split.append(tuple(map(float, times)))
+                        if None not in times[:3]:
+                            split.append(tuple(map(float, times[:3])))
+                        captured += times[3] == "1"
                     else:
                         errors += 1
 
@@ -82,7 +84,7 @@ async def _run(url: str, bodies: list[bytes], concurrency: int, warmup: float, d
         p50_ms=percentile(latencies, 50) if n else float("nan"),
         p99_ms=percentile(latencies, 99) if n else float("nan"),
         completed=n, errors=errors, seconds=duration, request_indices=tuple(done),
-        window_start=window_start,
+        window_start=window_start, captured=captured,
         **({} if not split else dict(zip(("handler_ms", "graph_ms", "call_batch"), map(statistics.fmean, zip(*split))))),
     )
 

@@ -38,6 +38,7 @@ def label(r: dict) -> str:
     extra = ([f"×{r['workers']} workers"] if r["workers"] > 1 else []) + (
         [f"{r['gpus']} GPUs"] if r.get("gpus", 1) > 1 else []) + (
         [f"batch {r['batch']}"] if r.get("batch", 1) > 1 else []) + (
+        [f"TorchServe batch {r['ts_batch']}"] if r.get("ts_batch", r.get("batch")) != r.get("batch") else []) + (
         ["no CUDA graphs"] if r.get("cuda_graphs") is False and r.get("device") != "cpu" else []) + (
         ["Triton top-k"] if r.get("topk") else [])
     return f"slm ({', '.join([r['attention'], *extra])})"
@@ -74,15 +75,17 @@ def table(records: list[dict]) -> str:
                       "TorchServe's counters and the handler's X-Slm-* headers (handler: parse, tokenize, graph "
                       "call, encode of the request's whole batch; graph call: copy in, GPU, copy out).", "",
                   "| workload | system | at | client mean (ms) | in TorchServe | of which queued | handler | "
-                  "of which graph call | requests per call | IPC + batching wait | HTTP + client |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "of which graph call | requests per call | IPC + batching wait | HTTP + client | "
+                  "answers behind a CUDA-graph capture |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for w, s, r in split:
             handler = r.get("handler_ms", float("nan"))
             lines.append(f"| {w} | {s} | c={r['concurrency']} | {fmt(r['mean_ms'])} | {fmt(r['ts_frontend_ms'])} | "
                          f"{fmt(r['ts_queue_ms'])} | {fmt(handler)} | {fmt(r.get('graph_ms', float('nan')))} | "
                          f"{fmt(r.get('call_batch', float('nan')))} | "
                          f"{fmt(r['ts_frontend_ms'] - r['ts_queue_ms'] - handler)} | "
-                         f"{fmt(r['mean_ms'] - r['ts_frontend_ms'])} |")
+                         f"{fmt(r['mean_ms'] - r['ts_frontend_ms'])} | "
+                         f"{r['captured'] if 'captured' in r else '–'} of {r['completed']} |")
     noop = [r for r in records if r["system"] == "noop"]
     if noop:
         top = max(noop, key=lambda r: r["qps"])

@@ -123,7 +123,9 @@ def main() -> None:
     p.add_argument("--slm", help="slm variants to measure, comma-separated ATTENTION:WORKERS:BATCH[:OPTION...], "
                                  "e.g. triton:2:8 (BATCH: requests per graph call). Options: nographs (the same archive "
                                  "served without CUDA graphs), topk (beam archives built with --topk triton), gN (the "
-                                 "workers spread over GPUs 0..N-1 in turn; otherwise all on GPU 0), e.g. triton:4:8:g2. "
+                                 "workers spread over GPUs 0..N-1 in turn; otherwise all on GPU 0), e.g. triton:4:8:g2, "
+                                 "tsbN (TorchServe hands a worker at most N < BATCH requests at once, so that they "
+                                 "spread over more workers), e.g. triton:4:8:g2:tsb2. "
                                  "Default: triton:1:1,triton:1:1:nographs on cuda, reference:1:1 on cpu")
     p.add_argument("--levels", default=",".join(map(str, LEVELS)), help="concurrency levels swept")
     p.add_argument("--hf-workers", default="1,4", help="peer worker counts to try; the best is kept")
@@ -169,9 +171,12 @@ def main() -> None:
                     builds[mar] = argv
                 # nographs, gN: served from a copy of the archive with those settings (configured_copy)
                 gpus = next((int(o[1:]) for o in options if o[0] == "g"), 1)
-                served = mar + ("_nographs" if "nographs" in options else "") + (f"_g{gpus}" if gpus > 1 else "")
+                ts_batch = next((int(o[3:]) for o in options if o.startswith("tsb")), batch)
+                served = mar + ("_nographs" if "nographs" in options else "") + (f"_g{gpus}" if gpus > 1 else "") + (
+                    f"_tsb{ts_batch}" if ts_batch != batch else "")
                 d = Deployment("slm", f"{served}_x{workers}", f"{served}.mar", workers, attention, batch,
-                               cuda_graphs="nographs" not in options, topk=topk, gpus=gpus, built=f"{mar}.mar")
+                               cuda_graphs="nographs" not in options, topk=topk, gpus=gpus, built=f"{mar}.mar",
+                               ts_batch=ts_batch)
                 if d not in deployments:
                     deployments.append(d)
         if "hf" in systems:
@@ -186,7 +191,7 @@ def main() -> None:
         log(f"SKIPPED (not built): {sorted(failed)}")
     for d in deployments:
         if d.built and d.mar != d.built and not (store / d.mar).exists() and (store / d.built).exists():
-            configured_copy(store / d.built, store / d.mar, d.cuda_graphs, d.gpus)
+            configured_copy(store / d.built, store / d.mar, d.cuda_graphs, d.gpus, d.ts_batch)
     deployments = [d for d in deployments if d.system != "slm" or (store / d.mar).exists()]
     if args.build_only:
         sys.exit(1 if failed else 0)
@@ -201,7 +206,7 @@ def main() -> None:
     def record(d: Deployment, workload: str, point, flops_per_request: float) -> None:
         before, totals[d.name] = totals.get(d.name, {}), frontend_totals(server, d.name)
         rec = {"system": d.system, "attention": d.attention, "batch": d.batch, "cuda_graphs": d.cuda_graphs,
-               "topk": d.topk, "gpus": d.gpus, "worker_gpus": placed.get(d.name),
+               "topk": d.topk, "gpus": d.gpus, "worker_gpus": placed.get(d.name), "ts_batch": d.ts_batch or d.batch,
                "workload": workload, **frontend_means(before, totals[d.name]),
                "workers": d.workers, **dataclasses.asdict(point), **meta, "flops_per_request": flops_per_request,
                # every FLOP is bf16 until an FP8 build exists, so the two figures agree
@@ -210,7 +215,7 @@ def main() -> None:
         with results.open("a") as f:
             f.write(json.dumps(rec) + "\n")
         log(f"{d.name:34s} {workload} c={point.concurrency:3d}: {point.qps:8.1f} req/s mean {point.mean_ms:7.1f} ms "
-            f"p99 {point.p99_ms:7.1f} ms errors {point.errors}")
+            f"p99 {point.p99_ms:7.1f} ms errors {point.errors} captured {point.captured}")
 
     try:
         server.register("noop.mar")
@@ -270,14 +275,16 @@ class Deployment:
     topk: bool = False  # slm beam: built with --topk triton (kernels/vocab_topk.py)
     gpus: int = 1  # workers spread over GPUs 0..gpus-1 (TorchServe deviceIds)
     built: str = ""  # slm: the archive built, when `mar` is a configured copy of it
+    ts_batch: int | None = None  # slm: TorchServe's batchSize when below `batch` (the graph's max_batch)
 
 
 def parse_variant(text: str) -> tuple[str, int, int, tuple[str, ...]]:
     """ATTENTION:WORKERS:BATCH[:OPTION...] -> (attention, workers, batch, options); see --slm."""
     attention, workers, batch, *options = text.split(":")
     for o in options:
-        if o not in ("nographs", "topk") and not (o[:1] == "g" and o[1:].isdigit() and int(o[1:]) > 0):
-            raise SystemExit(f"--slm {text}: unknown option {o!r} (nographs, topk, gN)")
+        if o not in ("nographs", "topk") and not (o[:1] == "g" and o[1:].isdigit() and int(o[1:]) > 0) and not (
+                o[:3] == "tsb" and o[3:].isdigit() and 0 < int(o[3:]) <= int(batch)):
+            raise SystemExit(f"--slm {text}: unknown option {o!r} (nographs, topk, gN, tsbN with N <= BATCH)")
     return attention, int(workers), int(batch), tuple(options)
 
 
@@ -322,10 +329,12 @@ def frontend_means(before: dict[str, float], after: dict[str, float]) -> dict[st
     return {"ts_requests": n, "ts_frontend_ms": per[FRONTEND[1]], "ts_queue_ms": per[FRONTEND[2]]}
 
 
-def configured_copy(src: Path, dst: Path, cuda_graphs: bool = True, gpus: int = 1) -> None:
+def configured_copy(src: Path, dst: Path, cuda_graphs: bool = True, gpus: int = 1, ts_batch: int | None = None) -> None:
     """A copy of the archive `src` whose model-config.yaml turns the handler's CUDA graphs off
-    (cuda_graphs=False) and spreads the workers over GPUs 0..gpus-1, with a queue `gpus` times as
-    long (they serve that much more within the deadline, archiver.build.queue_for_deadline)."""
+    (cuda_graphs=False), spreads the workers over GPUs 0..gpus-1, with a queue `gpus` times as
+    long (they serve that much more within the deadline, archiver.build.queue_for_deadline), and
+    lets TorchServe hand a worker at most `ts_batch` requests at once (the graph still takes up to
+    its max_batch)."""
     import zipfile
 
     with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as zout:
@@ -338,6 +347,8 @@ def configured_copy(src: Path, dst: Path, cuda_graphs: bool = True, gpus: int = 
                 if gpus > 1:
                     config["deviceIds"] = list(range(gpus))
                     config["jobQueueSize"] = config["jobQueueSize"] * gpus
+                if ts_batch:
+                    config["batchSize"] = ts_batch
                 data = yaml.safe_dump(config, sort_keys=False).encode()
             zout.writestr(item, data)
 

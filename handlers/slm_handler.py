@@ -36,6 +36,7 @@ class SlmHandler:
                 ctx.set_response_header(i, "X-Slm-Handler-Ms", handler_ms)
                 ctx.set_response_header(i, "X-Slm-Graph-Ms", f"{reply.stats.graph_ms:.3f}")
                 ctx.set_response_header(i, "X-Slm-Batch", str(reply.stats.batch))
+                ctx.set_response_header(i, "X-Slm-Captured", str(int(reply.stats.captured)))
                 if ctx.metrics is not None:
                     ctx.metrics.add_counter("SlmTexts", reply.stats.texts)
                     ctx.metrics.add_counter("SlmTokens", reply.stats.tokens)

@@ -80,10 +80,10 @@ class Engine:
         packed one after another, as if one request. Per request, in order: (rows, stats) or the
         InputError that kept it out of the call; the others are unaffected."""
         self._expect("score")
-        spans, outputs, graph_ms = self._call(requests, self.tokenizer.pack_texts)
+        spans, outputs, graph_ms, captured = self._call(requests, self.tokenizer.pack_texts)
         batch = sum(not isinstance(s, InputError) for s in spans)
         return [s if isinstance(s, InputError) else
-                (outputs[0][s[0] : s[0] + s[1]], CallStats(s[1], s[2], graph_ms, batch)) for s in spans]
+                (outputs[0][s[0] : s[0] + s[1]], CallStats(s[1], s[2], graph_ms, batch, captured)) for s in spans]
 
     def run_beam(self, prompt: object) -> tuple[list[dict[str, Any]], "CallStats"]:
         return _only(self.run_beam_batch([prompt]))
@@ -97,7 +97,7 @@ class Engine:
             cu_out[0], cu_out[1] = 0, self.tokenizer.pack_prompt(prompt, ids_out)
             return 1, int(cu_out[1])
 
-        spans, outputs, graph_ms = self._call(prompts, pack)
+        spans, outputs, graph_ms, captured = self._call(prompts, pack)
         batch = sum(not isinstance(s, InputError) for s in spans)
         results = []
         for span in spans:
@@ -107,15 +107,16 @@ class Engine:
             rows, ends, scores = (out[span[0]] for out in outputs)
             candidates = [{"text": self.tokenizer.decode(ids[:end]), "token_ids": ids[:end], "score": score}
                           for ids, end, score in zip(rows, ends, scores)]
-            results.append((candidates, CallStats(1, span[2], graph_ms, batch)))
+            results.append((candidates, CallStats(1, span[2], graph_ms, batch, captured)))
         return results
 
-    def _call(self, requests: list[object], pack) -> tuple[list, list, float]:
+    def _call(self, requests: list[object], pack) -> tuple[list, list, float, bool]:
         """Pack each request behind the ones before it and run the graph once for all of them.
         pack(request, ids_out, cu_out) writes one request's ids and its own boundaries (from 0)
         and returns (sequences, tokens), or raises InputError having written nothing. Returns per
         request its InputError or its span (first sequence, sequences, tokens); the graph's
-        outputs as host lists; the call's milliseconds from copy-in to results on the host."""
+        outputs as host lists; the call's milliseconds from copy-in to results on the host; whether
+        the call captured a new CUDA graph (its first call of a size bucket, about three calls' time)."""
         if len(requests) > self.task.max_batch:
             raise ValueError(f"{len(requests)} requests exceed max_batch={self.task.max_batch}")
         ids_np, cu_np = self._ids.numpy(), self._cu.numpy()
@@ -132,14 +133,16 @@ class Engine:
                 spans.append((n, ni, ti))
                 n, t = n + ni, t + ti
             if n == 0:
-                return spans, [], 0.0
+                return spans, [], 0.0, False
             start = time.perf_counter()
+            captures = self.replay.captures if self.replay is not None else 0
             out = self.replay(self._ids, self._cu, n, t) if self.replay is not None else None
             if out is None:
                 out = self.graph(self._ids[:t].to(self.device, non_blocking=True),
                                  self._cu[: n + 1].to(self.device, non_blocking=True))
             outputs = [x.cpu().tolist() for x in ((out,) if isinstance(out, torch.Tensor) else out)]
-            return spans, outputs, (time.perf_counter() - start) * 1e3
+            captured = self.replay is not None and self.replay.captures > captures
+            return spans, outputs, (time.perf_counter() - start) * 1e3, captured
 
     def _expect(self, kind: str) -> None:
         if self.task.task != kind:
@@ -163,3 +166,4 @@ class CallStats:
     tokens: int
     graph_ms: float
     batch: int = 1
+    captured: bool = False  # the call captured a CUDA graph (slm_core.replay) before replaying it

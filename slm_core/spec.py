@@ -3,7 +3,7 @@
 import dataclasses
 import difflib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Mapping
 

@@ -113,6 +113,7 @@ def test_configured_copies_change_only_their_settings(tmp_path):
         z.writestr("graph.pt2", b"\x00weights" * 100)
     configured_copy(src, tmp_path / "nographs.mar", cuda_graphs=False)
     configured_copy(src, tmp_path / "g2.mar", gpus=2)
+    configured_copy(src, tmp_path / "tsb2.mar", ts_batch=2)
     with zipfile.ZipFile(src) as a, zipfile.ZipFile(tmp_path / "nographs.mar") as b, \
             zipfile.ZipFile(tmp_path / "g2.mar") as c:
         base = yaml.safe_load(a.read("model-config.yaml"))
@@ -120,6 +121,8 @@ def test_configured_copies_change_only_their_settings(tmp_path):
         assert yaml.safe_load(b.read("model-config.yaml")) == {**base, "handler": {"cuda_graphs": False}}
         assert yaml.safe_load(c.read("model-config.yaml")) == {**base, "deviceIds": [0, 1], "jobQueueSize": 12}
         assert a.read("graph.pt2") == b.read("graph.pt2") == c.read("graph.pt2")
+    with zipfile.ZipFile(tmp_path / "tsb2.mar") as d:
+        assert yaml.safe_load(d.read("model-config.yaml")) == {**base, "batchSize": 2}
 
 
 def test_variants_parse_options_and_refuse_unknown_ones():
@@ -127,7 +130,8 @@ def test_variants_parse_options_and_refuse_unknown_ones():
 
     assert parse_variant("triton:2:8") == ("triton", 2, 8, ())
     assert parse_variant("triton:4:8:g2:topk") == ("triton", 4, 8, ("g2", "topk"))
-    for bad in ("triton:1:8:gpu2", "triton:1:8:g0", "triton:1:8:fast"):
+    assert parse_variant("triton:4:8:g2:tsb2") == ("triton", 4, 8, ("g2", "tsb2"))
+    for bad in ("triton:1:8:gpu2", "triton:1:8:g0", "triton:1:8:fast", "triton:1:8:tsb9", "triton:1:8:tsb0"):
         with pytest.raises(SystemExit, match="unknown option"):
             parse_variant(bad)
 
@@ -138,4 +142,44 @@ def test_report_labels_name_each_build_and_serving_option():
     assert label({**base, "workers": 2, "cuda_graphs": False}) == "slm (triton, ×2 workers, batch 8, no CUDA graphs)"
     assert label({**base, "topk": True}) == "slm (triton, batch 8, Triton top-k)"
     assert label({**base, "workers": 4, "gpus": 2}) == "slm (triton, ×4 workers, 2 GPUs, batch 8)"
+    assert label({**base, "ts_batch": 2}) == "slm (triton, batch 8, TorchServe batch 2)"
+    assert label({**base, "ts_batch": 8}) == "slm (triton, batch 8)"
     assert label({"system": "hf", "workers": 4}) == "hf"
+
+
+def test_loadgen_averages_the_handler_headers_and_counts_captures():
+    """bench.loadgen against a stand-in server whose every third answer says its graph call
+    captured a CUDA graph: the point counts those answers and averages the X-Slm-* timings."""
+    import http.server
+    import itertools
+    import threading
+
+    from bench.loadgen import measure
+
+    calls = itertools.count()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            n = next(calls)
+            self.send_response(200)
+            for key, value in (("Handler-Ms", "3.0"), ("Graph-Ms", "2.0"), ("Batch", "2"), ("Captured", str(int(n % 3 == 0)))):
+                self.send_header(f"X-Slm-{key}", value)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        point = measure(f"http://127.0.0.1:{server.server_port}/", [b"{}"], concurrency=1, warmup=0.0, duration=0.5)
+    finally:
+        server.shutdown()
+    assert point.completed > 10 and point.errors == 0
+    assert (point.handler_ms, point.graph_ms, point.call_batch) == (3.0, 2.0, 2.0)
+    assert abs(point.captured - point.completed / 3) <= 2

@@ -268,8 +268,10 @@ SECOND_GPU = """
 import json, sys, torch
 from slm_core.package import load_package
 engine = load_package(sys.argv[1], gpu_id=1)
-rows = engine.score(json.loads(sys.argv[2]))
+rows, first = engine.run_score(json.loads(sys.argv[2]))
+again = engine.run_score(json.loads(sys.argv[2]))[1]
 print(json.dumps({"device": str(engine.device), "current": torch.cuda.current_device(), "rows": rows,
+                  "captured": [first.captured, again.captured],
                   "reserved": [torch.cuda.memory_reserved(i) for i in range(2)],
                   "replayed": len(engine.replay.graphs)}))
 """
@@ -312,6 +314,7 @@ def test_two_gpus_one_package_workers_on_each(random_checkpoint, tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     second = json.loads(run.stdout.strip().splitlines()[-1])
     assert second["device"] == "cuda:1" and second["current"] == 1 and second["replayed"] >= 1
+    assert second["captured"] == [True, False]  # the first call of a size captures, the next replays
     assert second["reserved"][0] == 0 and second["reserved"][1] > 0, second["reserved"]
     for row, ref in zip(second["rows"], on_first):
         assert row == pytest.approx(ref, abs=1e-6)
