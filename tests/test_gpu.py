@@ -22,6 +22,18 @@ def sequence_logprob(model, prompt_ids: list[int], ids: list[int]) -> float:
     return torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(ids, device=model.device)[:, None]).sum().item()
 
 
+def started_torchserve(tmp_path, store):
+    """A private TorchServe on `store` (skips where TorchServe or Java is missing)."""
+    import shutil
+
+    from handlers.local_server import TorchServe
+
+    if shutil.which("torchserve") is None or shutil.which("java") is None:
+        pytest.skip("TorchServe/Java not installed here (source .devbundle/setup.sh on the GPU machine)")
+    (tmp_path / "server").mkdir()
+    return TorchServe(tmp_path / "server", store).start()
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
 def test_cuda_bf16_score_and_beam(random_checkpoint, arch):
     folder, hf = random_checkpoint(arch)
@@ -71,13 +83,11 @@ def test_cuda_archive_serves_through_torchserve(random_checkpoint, tmp_path):
     """--device cuda build: manifest, load on cuda:0, equal to the eager CUDA engine; then the same
     archive through a real TorchServe (GPU worker) answers exactly as the loaded package does."""
     import json
-    import shutil
     import zipfile
 
     import yaml
 
     from archiver.__main__ import main
-    from handlers.local_server import TorchServe
     from slm_core.package import MANIFEST, load_package
 
     folder, _ = random_checkpoint("qwen3")
@@ -96,10 +106,7 @@ def test_cuda_archive_serves_through_torchserve(random_checkpoint, tmp_path):
     for row, ref in zip(compiled.score(RANDOM_TEXTS), eager.score(RANDOM_TEXTS)):
         assert row == pytest.approx(ref, abs=2e-2)
 
-    if shutil.which("torchserve") is None or shutil.which("java") is None:
-        pytest.skip("TorchServe/Java not installed here (source .devbundle/setup.sh on the GPU machine)")
-    (tmp_path / "server").mkdir()
-    server = TorchServe(tmp_path / "server", store).start()
+    server = started_torchserve(tmp_path, store)
     try:
         server.register("gpu_score.mar")
         status, body = server.predict("gpu_score", json.dumps({"texts": RANDOM_TEXTS}).encode())
@@ -284,7 +291,6 @@ def test_two_gpus_one_package_workers_on_each(random_checkpoint, tmp_path):
     process); through TorchServe its two workers sit one per GPU and every answer is the same."""
     import concurrent.futures
     import json
-    import shutil
     import subprocess
     import sys
     import zipfile
@@ -294,7 +300,6 @@ def test_two_gpus_one_package_workers_on_each(random_checkpoint, tmp_path):
 
     from archiver.__main__ import main
     from bench.run import worker_gpus
-    from handlers.local_server import TorchServe
     from slm_core.package import load_package
 
     folder, _ = random_checkpoint("qwen3")
@@ -319,10 +324,7 @@ def test_two_gpus_one_package_workers_on_each(random_checkpoint, tmp_path):
     for row, ref in zip(second["rows"], on_first):
         assert row == pytest.approx(ref, abs=1e-6)
 
-    if shutil.which("torchserve") is None or shutil.which("java") is None:
-        pytest.skip("TorchServe/Java not installed here (source .devbundle/setup.sh on the GPU machine)")
-    (tmp_path / "server").mkdir()
-    server = TorchServe(tmp_path / "server", store).start()
+    server = started_torchserve(tmp_path, store)
     try:
         server.register("two.mar", 2)
         assert sorted(worker_gpus(server, "two")) == [0, 1]
