@@ -68,7 +68,8 @@ all)
     [ "${PROFILE:-1}" = 1 ] && bash "$0" profile > "$OUT/profile.log" 2>&1
     touch "$OUT/DONE" ;;
 start)
-    mkdir -p "$PIPE" && cp "$0" "$WORK/pipeline.sh"  # runs from a copy: the next call re-sends the tree
+    # a warm machine keeps the last pipeline's out/: its DONE would end `follow` at once
+    mkdir -p "$PIPE" && rm -f "$PIPE/DONE" && cp "$0" "$WORK/pipeline.sh"  # runs from a copy: the next call re-sends the tree
     COMMIT=$COMMIT SLM=$SLM VARIANTS=$VARIANTS WORKLOADS=$WORKLOADS SYSTEMS=${SYSTEMS:-slm,hf} PROFILE=${PROFILE:-1} CHECK=${CHECK:-1} \
         setsid nohup bash "$WORK/pipeline.sh" all > "$WORK/pipeline.log" 2>&1 < /dev/null &
     sleep 5
