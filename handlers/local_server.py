@@ -8,6 +8,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -58,10 +59,13 @@ class TorchServe:
     def start(self, timeout: float = 120) -> "TorchServe":
         tmp = self.workdir / "tmp"
         tmp.mkdir(exist_ok=True)
-        env = {**os.environ, "TMPDIR": str(tmp), "LOG_LOCATION": str(self.workdir / "logs"),
+        # This interpreter's environment first (a virtualenv used without activating it): its
+        # torchserve, and the python its workers run with.
+        path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+        env = {**os.environ, "PATH": path, "TMPDIR": str(tmp), "LOG_LOCATION": str(self.workdir / "logs"),
                "METRICS_LOCATION": str(self.workdir / "logs")}
         self.proc = subprocess.Popen(
-            [shutil.which("torchserve") or "torchserve", "--start", "--foreground", "--ncs",
+            [shutil.which("torchserve", path=path) or "torchserve", "--start", "--foreground", "--ncs",
              "--ts-config", str(self.config), "--model-store", str(self.model_store)],
             cwd=self.workdir, env=env, stdout=open(self.workdir / "stdout.log", "wb"), stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: stop() kills exactly this server and its workers

@@ -44,7 +44,10 @@ def _end(seq: list[int], stop_ids: list[int]) -> int:
     return next((i + 1 for i, t in enumerate(seq) if t in stop_ids), len(seq))
 
 
-def assert_same_beams(ours: list[dict], ref: list[tuple[list[int], float]], tol: float = 1e-4) -> None:
+def assert_same_beams(ours: list[dict], ref: list[tuple[list[int], float]], tol: float = 5e-4) -> None:
+    """The same candidates in the same order, scores within `tol`: fp32 sums of up to 5 log-probs,
+    whose GEMMs oneDNN blocks by shape and CPU (packed [T, H] here, [1, T, H] in transformers): an
+    AMD EPYC measured 1.1e-4 on SmolLM2 (2026-11-30), earlier machines under 1e-4."""
     assert [c["token_ids"] for c in ours] == [ids for ids, _ in ref]
     for c, (_, score) in zip(ours, ref):
         assert abs(c["score"] - score) <= tol, (c, score)
