@@ -238,5 +238,6 @@ def _cuda_engine(path: str, tokenizer: PackedTokenizer, task: TaskSpec, runtime:
                  cuda_graphs: bool) -> Engine:
     """A CUDA package's Engine; with cuda_graphs, its calls replay CUDA graphs (slm_core.replay),
     which needs the package loaded single-threaded (FACTS.md)."""
-    graph = torch._inductor.aoti_load_package(path, run_single_threaded=cuda_graphs, device_index=torch.cuda.current_device() if device.index is None else device.index)
+    index = torch.cuda.current_device() if device.index is None else device.index  # AOTI takes no None
+    graph = torch._inductor.aoti_load_package(path, run_single_threaded=cuda_graphs, device_index=index)
     return Engine(graph, tokenizer, task, runtime, CudaGraphs(graph, task, device) if cuda_graphs else None)
