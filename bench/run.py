@@ -10,11 +10,13 @@ import concurrent.futures
 import dataclasses
 import datetime
 import json
+import re
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import yaml
@@ -162,20 +164,19 @@ def main() -> None:
     deployments, builds = [], {}
     for model, w in {w.model: w for w in workloads.values()}.items():
         if "slm" in systems:
-            for attention, workers, batch, options in variants:
-                topk = "topk" in options and w.task["task"] == "beam"  # a build option of beam archives
-                mar = f"slm_{model}_{attention}_b{batch}" + ("_topk" if topk else "")
-                task = {**w.task, "max_batch": batch}
+            for v in variants:
+                topk = v.topk and w.task["task"] == "beam"  # a build option of beam archives
+                mar = f"slm_{model}_{v.attention}_b{v.batch}" + ("_topk" if topk else "")
+                task = {**w.task, "max_batch": v.batch}
                 if mar not in builds and (argv := slm_build(mar, checkpoints[w.name], task, store, args.device,
-                                                            attention, work, "triton" if topk else "torch")):
+                                                            v.attention, work, "triton" if topk else "torch")):
                     builds[mar] = argv
-                # nographs, gN: served from a copy of the archive with those settings (configured_copy)
-                gpus = next((int(o[1:]) for o in options if o[0] == "g"), 1)
-                ts_batch = next((int(o[3:]) for o in options if o.startswith("tsb")), batch)
-                served = mar + ("_nographs" if "nographs" in options else "") + (f"_g{gpus}" if gpus > 1 else "") + (
-                    f"_tsb{ts_batch}" if ts_batch != batch else "")
-                d = Deployment("slm", f"{served}_x{workers}", f"{served}.mar", workers, attention, batch,
-                               cuda_graphs="nographs" not in options, topk=topk, gpus=gpus, built=f"{mar}.mar",
+                # nographs, gN, tsbN: served from a copy of the archive with those settings (configured_copy)
+                ts_batch = v.ts_batch or v.batch
+                served = mar + ("_nographs" if v.nographs else "") + (f"_g{v.gpus}" if v.gpus > 1 else "") + (
+                    f"_tsb{ts_batch}" if ts_batch != v.batch else "")
+                d = Deployment("slm", f"{served}_x{v.workers}", f"{served}.mar", v.workers, v.attention, v.batch,
+                               cuda_graphs=not v.nographs, topk=topk, gpus=v.gpus, built=f"{mar}.mar",
                                ts_batch=ts_batch)
                 if d not in deployments:
                     deployments.append(d)
@@ -278,20 +279,35 @@ class Deployment:
     ts_batch: int | None = None  # slm: TorchServe's batchSize when below `batch` (the graph's max_batch)
 
 
-def parse_variant(text: str) -> tuple[str, int, int, tuple[str, ...]]:
-    """ATTENTION:WORKERS:BATCH[:OPTION...] -> (attention, workers, batch, options); see --slm."""
+class Variant(NamedTuple):
+    """One --slm entry, ATTENTION:WORKERS:BATCH[:OPTION...]."""
+
+    attention: str
+    workers: int
+    batch: int
+    nographs: bool = False
+    topk: bool = False
+    gpus: int = 1
+    ts_batch: int | None = None  # TorchServe's batchSize, when below `batch`
+
+
+def parse_variant(text: str) -> Variant:
     attention, workers, batch, *options = text.split(":")
+    v = Variant(attention, int(workers), int(batch))
     for o in options:
-        if o not in ("nographs", "topk") and not (o[:1] == "g" and o[1:].isdigit() and int(o[1:]) > 0) and not (
-                o[:3] == "tsb" and o[3:].isdigit() and 0 < int(o[3:]) <= int(batch)):
+        if o in ("nographs", "topk"):
+            v = v._replace(**{o: True})
+        elif re.fullmatch(r"g[1-9][0-9]*", o):
+            v = v._replace(gpus=int(o[1:]))
+        elif re.fullmatch(r"tsb[1-9][0-9]*", o) and int(o[3:]) <= v.batch:
+            v = v._replace(ts_batch=int(o[3:]))
+        else:
             raise SystemExit(f"--slm {text}: unknown option {o!r} (nographs, topk, gN, tsbN with N <= BATCH)")
-    return attention, int(workers), int(batch), tuple(options)
+    return v
 
 
 def worker_gpus(server: TorchServe, model: str) -> list[int | None]:
     """The GPU of each of a model's workers, from TorchServe's own account (gpuUsage names it)."""
-    import re
-
     found = [re.search(r"gpuId::(\d+)", w.get("gpuUsage") or "") for w in server.workers(model)]
     return [int(m.group(1)) if m else None for m in found]
 

@@ -135,14 +135,14 @@ class Engine:
             if n == 0:
                 return spans, [], 0.0, False
             start = time.perf_counter()
-            captures = self.replay.captures if self.replay is not None else 0
+            graphs = self.replay.graphs if self.replay is not None else {}  # one per bucket captured so far
+            captured_before = len(graphs)
             out = self.replay(self._ids, self._cu, n, t) if self.replay is not None else None
             if out is None:
                 out = self.graph(self._ids[:t].to(self.device, non_blocking=True),
                                  self._cu[: n + 1].to(self.device, non_blocking=True))
             outputs = [x.cpu().tolist() for x in ((out,) if isinstance(out, torch.Tensor) else out)]
-            captured = self.replay is not None and self.replay.captures > captures
-            return spans, outputs, (time.perf_counter() - start) * 1e3, captured
+            return spans, outputs, (time.perf_counter() - start) * 1e3, len(graphs) > captured_before
 
     def _expect(self, kind: str) -> None:
         if self.task.task != kind:

@@ -79,7 +79,6 @@ class CudaGraphs:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, object]] = {}
         self.pool = None
         self.enabled = True
-        self.captures = 0  # graphs captured so far (each in the call that first saw its bucket)
 
     def __call__(self, ids: torch.Tensor, cu: torch.Tensor, sequences: int, tokens: int):
         """The graph's outputs (device tensors, valid until the next call) for the packed call in
@@ -95,7 +94,6 @@ class CudaGraphs:
         if key not in self.graphs:
             try:
                 self.graphs[key] = self._capture(n, t)
-                self.captures += 1
             except RuntimeError as e:  # something in the graph cannot be captured: run without graphs
                 log.warning("CUDA graph capture failed, running without CUDA graphs: %s", e)
                 self.enabled = False

@@ -126,11 +126,11 @@ def test_configured_copies_change_only_their_settings(tmp_path):
 
 
 def test_variants_parse_options_and_refuse_unknown_ones():
-    from bench.run import parse_variant
+    from bench.run import Variant, parse_variant
 
-    assert parse_variant("triton:2:8") == ("triton", 2, 8, ())
-    assert parse_variant("triton:4:8:g2:topk") == ("triton", 4, 8, ("g2", "topk"))
-    assert parse_variant("triton:4:8:g2:tsb2") == ("triton", 4, 8, ("g2", "tsb2"))
+    assert parse_variant("triton:2:8") == Variant("triton", 2, 8)
+    assert parse_variant("triton:4:8:g2:topk") == Variant("triton", 4, 8, topk=True, gpus=2)
+    assert parse_variant("triton:4:8:g2:tsb2:nographs") == Variant("triton", 4, 8, nographs=True, gpus=2, ts_batch=2)
     for bad in ("triton:1:8:gpu2", "triton:1:8:g0", "triton:1:8:fast", "triton:1:8:tsb9", "triton:1:8:tsb0"):
         with pytest.raises(SystemExit, match="unknown option"):
             parse_variant(bad)

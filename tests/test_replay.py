@@ -50,7 +50,7 @@ def test_beam_buckets_of_w2_and_w3_streams_fit_the_graph_budget():
 class PaddedEager:
     """What CudaGraphs replays, without the capture: the call padded to its bucket."""
 
-    captures = 0  # it never captures
+    graphs: dict = {}  # it never captures
 
     def __init__(self, graph, task):
         self.graph, self.task, self.calls = graph, task, []
