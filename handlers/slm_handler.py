@@ -4,9 +4,12 @@ next to the slm_core/ and kernels/ sources it imports (the worker's PYTHONPATH h
 """
 
 import logging
+import resource
 import time
 
-from slm_core.package import load_package
+import torch
+
+from slm_core.package import capture_all, load_package
 from slm_core.protocol import respond_batch
 
 log = logging.getLogger(__name__)
@@ -23,6 +26,12 @@ class SlmHandler:
         self.engine = load_package(props["model_dir"], props.get("gpu_id"), settings.get("cuda_graphs", True))
         log.info("loaded %s task on %s (CUDA graphs: %s)", self.engine.task.task, self.engine.device,
                  self.engine.replay is not None)
+        if self.engine.replay is not None and settings.get("capture_at_load", False):
+            start = time.perf_counter()
+            captured = capture_all(self.engine)
+            log.info("captured %d CUDA graphs at load in %.1f s; GPU memory reserved %.2f GiB, host peak RSS %.2f GiB",
+                     captured, time.perf_counter() - start, torch.cuda.memory_reserved(self.engine.device) / 2**30,
+                     resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
 
     def handle(self, data: list[dict], ctx) -> list[bytes]:
         start = time.perf_counter()

@@ -67,7 +67,7 @@ class BeamGraph(nn.Module):
             top_logits, top_ids, lse = self.topk(logits, k)
             lse = lse[:, None]
         else:
-            top_logits, top_ids = logits.topk(k, dim=-1)
+            top_logits, top_ids = logits.topk(k, dim=-1, sorted=False)  # the next topk orders them
             lse = torch.logsumexp(logits.float(), dim=-1, keepdim=True)
         log_probs = top_logits.float() - lse
         scores, flat = (log_probs.view(b, beams, k) + cum[:, :, None]).flatten(1).topk(k, dim=1)

@@ -13,8 +13,9 @@ Sequences do not see each other (block-diagonal prefill, per-prompt beams), so t
 answers do not change, and the padding rows are never read. The compiled graph accepts these
 sizes: slm_core.export exports up to TaskSpec.graph_tokens / graph_texts.
 
-The first call of a bucket runs once on a side stream, then is captured; every later call of that
-bucket copies its inputs into the static input buffers and replays (launches go from ~1,500
+The first call of a bucket runs once on a side stream, then is captured (at worker load for every
+bucket of bucket_grid, with the handler setting capture_at_load, slm_core.package.capture_all;
+else on the first served call of that size); every later call of that bucket copies its inputs into the static input buffers and replays (launches go from ~1,500
 kernel launches from C++ to one graph launch; bench/RESULTS.md). All graphs share one memory
 pool: calls are serialised by the engine and each call's outputs are read before the next runs.
 """
@@ -45,6 +46,29 @@ def bucket(task: TaskSpec, sequences: int, tokens: int) -> tuple[int, int, list[
         return None
     lengths = [pad // extra + (i < pad % extra) for i in range(extra)]
     return sequences + extra, padded_t, lengths
+
+
+def bucket_grid(task: TaskSpec) -> list[tuple[int, int]]:
+    """One call (sequences, tokens) per bucket that a call within the task's bounds lands in: 1 to
+    call_texts sequences of 1 to sequence_tokens tokens each. A bucket's calls are a run of
+    consecutive token counts (bucket tokens never fall as tokens grow, and for the same bucket
+    tokens the padding sequences never grow), so each run's end is found by bisection."""
+    calls: dict[tuple[int, int], tuple[int, int]] = {}
+    for n in range(1, task.call_texts + 1):
+        t, last = n, n * task.sequence_tokens
+        while t <= last:
+            b = bucket(task, n, t)
+            if b is None:  # too many padding sequences at this size; a few more tokens may fit
+                t += 1
+                continue
+            calls.setdefault(b[:2], (n, t))
+            lo, hi = t, last
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                m = bucket(task, n, mid)
+                lo, hi = (mid, hi) if m is not None and m[:2] == b[:2] else (lo, mid - 1)
+            t = lo + 1
+    return list(calls.values())
 
 
 def _round_tokens(t: int) -> int:

@@ -244,7 +244,7 @@ def test_silu_mul_bf16_full_size(t, inner):
 @pytest.mark.parametrize("rows", [1, 100, 800])
 def test_vocab_topk_bf16_full_size(rows):
     """The beam step's shape (V = 151,936, k = 2W = 200): the same values as torch.topk, ids that
-    hold them, logsumexp as torch's, and the same answer twice (ties broken by index)."""
+    hold them, logsumexp as torch's, and the same answer twice."""
     from kernels.vocab_topk import vocab_topk
 
     torch.manual_seed(rows)

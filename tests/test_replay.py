@@ -6,7 +6,7 @@ import pytest
 
 from slm_core import Engine
 from slm_core.checkpoint import load_checkpoint
-from slm_core.replay import bucket, pad_inputs
+from slm_core.replay import bucket, bucket_grid, pad_inputs
 from slm_core.spec import RuntimeSpec, TaskSpec
 
 SCORE = TaskSpec.from_dict({"task": "score", "labels": ["yes", "no"], "max_texts": 16, "max_text_tokens": 160,
@@ -45,6 +45,28 @@ def test_beam_buckets_of_w2_and_w3_streams_fit_the_graph_budget():
     sizes = {bucket(beam8, k, t)[:2] for k in range(1, 9)
              for lo, hi in ((48, 128), (384, 512)) for t in range(lo * k, hi * k + 1)}
     assert len(sizes) <= CudaGraphs.__init__.__defaults__[0], len(sizes)
+
+
+@pytest.mark.parametrize("task", [
+    SCORE, TaskSpec.from_dict({**BEAM.to_dict(), "max_batch": 8}),
+    TaskSpec.from_dict({"task": "score", "labels": ["a", "b"], "max_texts": 3, "max_text_tokens": 40, "max_batch": 3}),
+    TaskSpec.from_dict({"task": "score", "labels": ["a", "b"], "max_texts": 1, "max_text_tokens": 512, "max_batch": 2}),
+], ids=["w1", "beam8", "small", "long"])
+def test_the_grid_holds_one_call_per_bucket_of_every_call_size(task):
+    """bucket_grid (what capture_at_load captures) against every (sequences, tokens) a call within
+    the bounds can have, one by one (bisection is only fast if bucket behaves as it assumes)."""
+    every = {}
+    step = 1 if task.call_tokens < 3000 else 3  # W1's 2.7M sizes in steps of 3: still each bucket of them
+    for n in range(1, task.call_texts + 1):
+        for t in range(n, n * task.sequence_tokens + 1, step):
+            if (b := bucket(task, n, t)) is not None:
+                every.setdefault(b[:2], (n, t))
+    grid = bucket_grid(task)
+    keys = [bucket(task, n, t)[:2] for n, t in grid]
+    assert len(set(keys)) == len(keys) and set(every) <= set(keys)
+    assert all(1 <= n <= task.call_texts and n <= t <= n * task.sequence_tokens for n, t in grid)
+    if step == 1:
+        assert set(keys) == set(every)
 
 
 class PaddedEager:
@@ -87,3 +109,40 @@ def test_padded_calls_answer_as_unpadded(random_checkpoint):
             assert all(pn > n for n, t, pn, pt in fake.calls) and fake.calls[-1][0] == plain.task.call_texts
         else:  # the prompts as they are, and an unowned tail
             assert all(pn == n for n, t, pn, pt in fake.calls)
+
+
+class CapturingEager(PaddedEager):
+    """PaddedEager that keeps a "graph" per bucket, as CudaGraphs does."""
+
+    def __init__(self, graph, task):
+        super().__init__(graph, task)
+        self.graphs, self.enabled, self.max_graphs = {}, True, 256
+
+    def __call__(self, ids, cu, n, t):
+        lengths = (cu[1 : n + 1] - cu[:n]).tolist()
+        assert cu[0] == 0 and sum(lengths) == t and all(1 <= x <= self.task.sequence_tokens for x in lengths)
+        self.graphs[bucket(self.task, n, t)[:2]] = None
+        return super().__call__(ids, cu, n, t)
+
+
+def test_capture_all_captures_each_bucket_once_and_answers_still_match(random_checkpoint):
+    """capture_all (the handler's capture_at_load) calls the graph once per bucket of bucket_grid,
+    with valid packed calls, raising the graph budget to the grid; the engine answers as before."""
+    from test_hf_equality import engine_for
+
+    from slm_core.package import capture_all
+
+    ckpt = load_checkpoint(random_checkpoint("qwen2")[0])
+    for task in (dict(task="score", labels=["yes", "no"], max_texts=2, max_text_tokens=24, max_batch=2),
+                 dict(task="beam", beam_width=2, new_tokens=2, max_prompt_tokens=40, max_batch=3)):
+        plain = engine_for(ckpt, **task)
+        fake = CapturingEager(plain.graph, plain.task)
+        fake.max_graphs = 3
+        warm = Engine(plain.graph, plain.tokenizer, plain.task, RuntimeSpec("cpu"), replay=fake)
+        grid = bucket_grid(plain.task)
+        assert capture_all(warm) == len(fake.graphs) == len(fake.calls) == len(grid) > fake.calls[0][0]
+        assert fake.max_graphs == len(grid)
+        if task["task"] == "score":
+            assert warm.score(["a b c"])[0] == pytest.approx(plain.score(["a b c"])[0], abs=1e-5)
+        else:
+            assert [c["token_ids"] for c in warm.beam("a b c")] == [c["token_ids"] for c in plain.beam("a b c")]
