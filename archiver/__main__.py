@@ -20,11 +20,14 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--attention", choices=["reference", "triton"],
                    help="attention compiled into the graph: triton (CUDA only; the default there, faster at "
                         "every measured shape, bench/RESULTS.md) or the PyTorch reference (the CPU default)")
-    b.add_argument("--topk", choices=["torch", "triton"], default="torch",
-                   help="beam tasks: the vocabulary top-k + logsumexp of each step, torch.topk or the Triton "
-                        "radix select (kernels/vocab_topk.py; opt-in until measured in the served graph)")
-    b.add_argument("--cuda-graphs", choices=["on", "off"], default="on",
-                   help="CUDA builds: replay each call from a CUDA graph captured per input-size bucket")
+    b.add_argument("--topk", choices=["torch", "triton"],
+                   help="beam tasks: the vocabulary top-k + logsumexp of each step, torch.topk (the CPU default) "
+                        "or Triton group maxima then torch.topk over the best groups (kernels/vocab_topk.py; CUDA "
+                        "only, the default there: 1.6-3.1x faster per step, bench/RESULTS.md)")
+    b.add_argument("--cuda-graphs", choices=["on", "lazy", "off"], default="on",
+                   help="CUDA builds: replay each call from a CUDA graph captured per input-size bucket, every "
+                        "bucket as a worker loads (on) or each on its first call (lazy: faster load, but a call "
+                        "that captures takes about three calls' time)")
     b.add_argument("--batch-delay-ms", type=int, default=1,
                    help="longest wait for more requests to batch (the task's max_batch sets how many)")
     b.add_argument("--queue", type=int,
@@ -40,13 +43,14 @@ def main(argv: list[str] | None = None) -> int:
                         "for --deadline-ms grows with their number")
     args = parser.parse_args(argv)
     attention = args.attention or ("triton" if args.device.startswith("cuda") else "reference")
+    topk = args.topk or ("triton" if args.device.startswith("cuda") else "torch")
 
     from archiver.build import build
 
     try:
         build(args.checkpoint, args.task, args.model_name, args.export_path, args.device, args.workers,
-              args.response_timeout, attention, args.batch_delay_ms, args.queue, args.cuda_graphs == "on",
-              args.deadline_ms, args.topk, args.device_ids)
+              args.response_timeout, attention, args.batch_delay_ms, args.queue, args.cuda_graphs != "off",
+              args.deadline_ms, topk, args.device_ids, args.cuda_graphs == "on")
     except (SpecError, FileNotFoundError) as e:
         print(f"slm-archiver: error: {e}", file=sys.stderr)
         return 2

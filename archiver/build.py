@@ -27,14 +27,16 @@ def progress(message: str) -> None:
 
 
 def model_config(device: str, workers: int, response_timeout: int, batch: int = 1, batch_delay_ms: int = 1,
-                 queue: int = 100, cuda_graphs: bool = True, device_ids: list[int] | None = None) -> dict:
+                 queue: int = 100, cuda_graphs: bool = True, device_ids: list[int] | None = None,
+                 capture_at_load: bool = True) -> dict:
     """TorchServe's per-model settings (model-config.yaml). A worker takes up to `batch` queued
     requests at once and waits at most `batch_delay_ms` for more: with 1 ms, what is queued goes
     at once (TorchServe 0.12 stops collecting after one extra request when the delay is 0). At
     most `queue` requests wait for a worker; the next ones get an immediate 503. Workers go to the
     GPUs `device_ids` in turn (TorchServe's deviceIds; without them, to all the host's GPUs in
     turn, shared with the other models). The `handler` section is the handler's own
-    (ctx.model_yaml_config)."""
+    (ctx.model_yaml_config): CUDA graphs or not, and whether a worker captures every size bucket
+    as it loads (else each on its first call)."""
     return {
         "minWorkers": workers,
         "maxWorkers": workers,
@@ -44,7 +46,7 @@ def model_config(device: str, workers: int, response_timeout: int, batch: int = 
         "responseTimeout": response_timeout,
         "deviceType": "gpu" if device.startswith("cuda") else "cpu",
         **({"deviceIds": list(device_ids)} if device_ids and device.startswith("cuda") else {}),
-        "handler": {"cuda_graphs": cuda_graphs},
+        "handler": {"cuda_graphs": cuda_graphs, "capture_at_load": cuda_graphs and capture_at_load},
     }
 
 
@@ -60,7 +62,7 @@ def build(
     checkpoint: str, task_path: str, model_name: str, export_path: str, device: str = "cpu",
     workers: int = 1, response_timeout: int = 120, attention: str = "reference", batch_delay_ms: int = 1,
     queue: int | None = None, cuda_graphs: bool = True, deadline_ms: float | None = None, topk: str = "torch",
-    device_ids: list[int] | None = None,
+    device_ids: list[int] | None = None, capture_at_load: bool = True,
 ) -> Path:
     from model_archiver.model_archiver_config import ModelArchiverConfig
     from model_archiver.model_packaging import generate_model_archive
@@ -88,7 +90,7 @@ def build(
             shutil.copytree(src, stage / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         config = Path(tmp) / "model-config.yaml"
         settings = model_config(device, workers, response_timeout, task.max_batch, batch_delay_ms, queue, cuda_graphs,
-                                device_ids)
+                                device_ids, capture_at_load)
         config.write_text(yaml.safe_dump(settings, sort_keys=False))
         progress(f"writing {export / (model_name + '.mar')}")
         generate_model_archive(ModelArchiverConfig(

@@ -40,7 +40,8 @@ def label(r: dict) -> str:
         [f"batch {r['batch']}"] if r.get("batch", 1) > 1 else []) + (
         [f"TorchServe batch {r['ts_batch']}"] if r.get("ts_batch", r.get("batch")) != r.get("batch") else []) + (
         ["no CUDA graphs"] if r.get("cuda_graphs") is False and r.get("device") != "cpu" else []) + (
-        ["graphs captured at load"] if r.get("capture_at_load") else []) + (
+        ["graphs captured on first call"] if r.get("capture_at_load") is False and r.get("cuda_graphs")
+        and r.get("device") != "cpu" else []) + (
         ["Triton top-k"] if r.get("topk") else [])
     return f"slm ({', '.join([r['attention'], *extra])})"
 

@@ -124,8 +124,8 @@ def main() -> None:
     p.add_argument("--systems", default="slm,hf")
     p.add_argument("--slm", help="slm variants to measure, comma-separated ATTENTION:WORKERS:BATCH[:OPTION...], "
                                  "e.g. triton:2:8 (BATCH: requests per graph call). Options: nographs (the same archive "
-                                 "served without CUDA graphs), warm (the same archive capturing every CUDA-graph bucket at worker "
-                                 "load, not on first sight), topk (beam archives built with --topk triton), gN (the "
+                                 "served without CUDA graphs), lazy (the same archive capturing each CUDA-graph bucket on its first "
+                                 "call, not all at worker load), topk (beam archives built with --topk triton), gN (the "
                                  "workers spread over GPUs 0..N-1 in turn; otherwise all on GPU 0), e.g. triton:4:8:g2, "
                                  "tsbN (TorchServe hands a worker at most N < BATCH requests at once, so that they "
                                  "spread over more workers), e.g. triton:4:8:g2:tsb2. "
@@ -172,13 +172,13 @@ def main() -> None:
                 if mar not in builds and (argv := slm_build(mar, checkpoints[w.name], task, store, args.device,
                                                             v.attention, work, "triton" if topk else "torch")):
                     builds[mar] = argv
-                # nographs, warm, gN, tsbN: served from a copy of the archive with those settings (configured_copy)
+                # nographs, lazy, gN, tsbN: served from a copy of the archive with those settings (configured_copy)
                 ts_batch = v.ts_batch or v.batch
-                served = mar + ("_nographs" if v.nographs else "") + ("_warm" if v.warm else "") + (
+                served = mar + ("_nographs" if v.nographs else "") + ("_lazy" if v.lazy else "") + (
                     f"_g{v.gpus}" if v.gpus > 1 else "") + (f"_tsb{ts_batch}" if ts_batch != v.batch else "")
                 d = Deployment("slm", f"{served}_x{v.workers}", f"{served}.mar", v.workers, v.attention, v.batch,
                                cuda_graphs=not v.nographs, topk=topk, gpus=v.gpus, built=f"{mar}.mar",
-                               ts_batch=ts_batch, capture_at_load=v.warm)
+                               ts_batch=ts_batch, capture_at_load=not v.lazy and not v.nographs)
                 if d not in deployments:
                     deployments.append(d)
         if "hf" in systems:
@@ -193,7 +193,8 @@ def main() -> None:
         log(f"SKIPPED (not built): {sorted(failed)}")
     for d in deployments:
         if d.built and d.mar != d.built and not (store / d.mar).exists() and (store / d.built).exists():
-            configured_copy(store / d.built, store / d.mar, d.cuda_graphs, d.gpus, d.ts_batch, d.capture_at_load)
+            configured_copy(store / d.built, store / d.mar, d.cuda_graphs, d.gpus, d.ts_batch,
+                            lazy=d.cuda_graphs and not d.capture_at_load)
     deployments = [d for d in deployments if d.system != "slm" or (store / d.mar).exists()]
     if args.build_only:
         sys.exit(1 if failed else 0)
@@ -208,7 +209,8 @@ def main() -> None:
     def record(d: Deployment, workload: str, point, flops_per_request: float) -> None:
         before, totals[d.name] = totals.get(d.name, {}), frontend_totals(server, d.name)
         rec = {"system": d.system, "attention": d.attention, "batch": d.batch, "cuda_graphs": d.cuda_graphs,
-               "capture_at_load": d.capture_at_load, "topk": d.topk, "gpus": d.gpus, "worker_gpus": placed.get(d.name), "ts_batch": d.ts_batch or d.batch,
+               "capture_at_load": d.capture_at_load, "topk": d.topk, "gpus": d.gpus, "worker_gpus": placed.get(d.name),
+               "ts_batch": d.ts_batch or d.batch,
                "workload": workload, **frontend_means(before, totals[d.name]),
                "workers": d.workers, **dataclasses.asdict(point), **meta, "flops_per_request": flops_per_request,
                # every FLOP is bf16 until an FP8 build exists, so the two figures agree
@@ -238,6 +240,10 @@ def main() -> None:
                 log(f"{d.name}: {d.workers} worker(s) ready after {time.monotonic() - start:.0f} s, on GPUs {placed[d.name]}")
             except TimeoutError as e:
                 log(f"SKIPPED {e}")
+        model_log = server_dir / "logs" / "model_log.log"  # what each worker's capture at load took
+        for line in model_log.read_text(errors="replace").splitlines() if model_log.exists() else []:
+            if "CUDA graphs at load" in line:
+                log(line[-220:])
         bodies = {w.name: TextMaker(tokenizers[w.name], seed=1).requests(w, args.requests) for w in workloads.values()}
         serving = {w.name: [d for d in deployments if d in ready and d.name.startswith(f"{d.system}_{w.model}_")]
                    for w in workloads.values()}  # the loaded deployments of each workload's model
@@ -278,7 +284,7 @@ class Deployment:
     gpus: int = 1  # workers spread over GPUs 0..gpus-1 (TorchServe deviceIds)
     built: str = ""  # slm: the archive built, when `mar` is a configured copy of it
     ts_batch: int | None = None  # slm: TorchServe's batchSize when below `batch` (the graph's max_batch)
-    capture_at_load: bool = False  # slm on CUDA: every CUDA-graph bucket captured at worker load
+    capture_at_load: bool = False  # slm on CUDA: every CUDA-graph bucket captured at worker load (else on first call)
 
 
 class Variant(NamedTuple):
@@ -288,7 +294,7 @@ class Variant(NamedTuple):
     workers: int
     batch: int
     nographs: bool = False
-    warm: bool = False
+    lazy: bool = False
     topk: bool = False
     gpus: int = 1
     ts_batch: int | None = None  # TorchServe's batchSize, when below `batch`
@@ -298,14 +304,14 @@ def parse_variant(text: str) -> Variant:
     attention, workers, batch, *options = text.split(":")
     v = Variant(attention, int(workers), int(batch))
     for o in options:
-        if o in ("nographs", "warm", "topk"):
+        if o in ("nographs", "lazy", "topk"):
             v = v._replace(**{o: True})
         elif re.fullmatch(r"g[1-9][0-9]*", o):
             v = v._replace(gpus=int(o[1:]))
         elif re.fullmatch(r"tsb[1-9][0-9]*", o) and int(o[3:]) <= v.batch:
             v = v._replace(ts_batch=int(o[3:]))
         else:
-            raise SystemExit(f"--slm {text}: unknown option {o!r} (nographs, warm, topk, gN, tsbN with N <= BATCH)")
+            raise SystemExit(f"--slm {text}: unknown option {o!r} (nographs, lazy, topk, gN, tsbN with N <= BATCH)")
     return v
 
 
@@ -349,12 +355,12 @@ def frontend_means(before: dict[str, float], after: dict[str, float]) -> dict[st
 
 
 def configured_copy(src: Path, dst: Path, cuda_graphs: bool = True, gpus: int = 1, ts_batch: int | None = None,
-                    capture_at_load: bool = False) -> None:
+                    lazy: bool = False) -> None:
     """A copy of the archive `src` whose model-config.yaml turns the handler's CUDA graphs off
-    (cuda_graphs=False) or has them all captured at worker load (capture_at_load), spreads the
-    workers over GPUs 0..gpus-1, with a queue `gpus` times as long (they serve that much more
-    within the deadline, archiver.build.queue_for_deadline), and lets TorchServe hand a worker at most `ts_batch` requests at once (the graph still takes up to
-    its max_batch)."""
+    (cuda_graphs=False) or has each captured on its first call, not at worker load (lazy),
+    spreads the workers over GPUs 0..gpus-1, with a queue `gpus` times as long (they serve that
+    much more within the deadline, archiver.build.queue_for_deadline), and lets TorchServe hand a
+    worker at most `ts_batch` requests at once (the graph still takes up to its max_batch)."""
     import zipfile
 
     with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as zout:
@@ -364,8 +370,8 @@ def configured_copy(src: Path, dst: Path, cuda_graphs: bool = True, gpus: int = 
                 config = yaml.safe_load(data)
                 if not cuda_graphs:
                     config["handler"] = {**(config.get("handler") or {}), "cuda_graphs": False}
-                if capture_at_load:
-                    config["handler"] = {**(config.get("handler") or {}), "capture_at_load": True}
+                if lazy:
+                    config["handler"] = {**(config.get("handler") or {}), "capture_at_load": False}
                 if gpus > 1:
                     config["deviceIds"] = list(range(gpus))
                     config["jobQueueSize"] = config["jobQueueSize"] * gpus

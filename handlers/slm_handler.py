@@ -26,7 +26,7 @@ class SlmHandler:
         self.engine = load_package(props["model_dir"], props.get("gpu_id"), settings.get("cuda_graphs", True))
         log.info("loaded %s task on %s (CUDA graphs: %s)", self.engine.task.task, self.engine.device,
                  self.engine.replay is not None)
-        if self.engine.replay is not None and settings.get("capture_at_load", False):
+        if self.engine.replay is not None and settings.get("capture_at_load", False):  # archiver --cuda-graphs on
             start = time.perf_counter()
             captured = capture_all(self.engine)
             log.info("captured %d CUDA graphs at load in %.1f s; GPU memory reserved %.2f GiB, host peak RSS %.2f GiB",

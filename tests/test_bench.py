@@ -114,18 +114,19 @@ def test_configured_copies_change_only_their_settings(tmp_path):
     configured_copy(src, tmp_path / "nographs.mar", cuda_graphs=False)
     configured_copy(src, tmp_path / "g2.mar", gpus=2)
     configured_copy(src, tmp_path / "tsb2.mar", ts_batch=2)
-    configured_copy(src, tmp_path / "warm.mar", capture_at_load=True)
+    configured_copy(src, tmp_path / "lazy.mar", lazy=True)
     with zipfile.ZipFile(src) as a, zipfile.ZipFile(tmp_path / "nographs.mar") as b, \
             zipfile.ZipFile(tmp_path / "g2.mar") as c:
         base = yaml.safe_load(a.read("model-config.yaml"))
-        assert base["handler"] == {"cuda_graphs": True} and base["deviceIds"] == [0]
-        assert yaml.safe_load(b.read("model-config.yaml")) == {**base, "handler": {"cuda_graphs": False}}
+        assert base["handler"] == {"cuda_graphs": True, "capture_at_load": True} and base["deviceIds"] == [0]
+        assert yaml.safe_load(b.read("model-config.yaml")) == {
+            **base, "handler": {"cuda_graphs": False, "capture_at_load": True}}
         assert yaml.safe_load(c.read("model-config.yaml")) == {**base, "deviceIds": [0, 1], "jobQueueSize": 12}
         assert a.read("graph.pt2") == b.read("graph.pt2") == c.read("graph.pt2")
     with zipfile.ZipFile(tmp_path / "tsb2.mar") as d:
         assert yaml.safe_load(d.read("model-config.yaml")) == {**base, "batchSize": 2}
-    with zipfile.ZipFile(tmp_path / "warm.mar") as e:
-        assert yaml.safe_load(e.read("model-config.yaml"))["handler"] == {"cuda_graphs": True, "capture_at_load": True}
+    with zipfile.ZipFile(tmp_path / "lazy.mar") as e:
+        assert yaml.safe_load(e.read("model-config.yaml"))["handler"] == {"cuda_graphs": True, "capture_at_load": False}
 
 
 def test_variants_parse_options_and_refuse_unknown_ones():
@@ -134,7 +135,7 @@ def test_variants_parse_options_and_refuse_unknown_ones():
     assert parse_variant("triton:2:8") == Variant("triton", 2, 8)
     assert parse_variant("triton:4:8:g2:topk") == Variant("triton", 4, 8, topk=True, gpus=2)
     assert parse_variant("triton:4:8:g2:tsb2:nographs") == Variant("triton", 4, 8, nographs=True, gpus=2, ts_batch=2)
-    assert parse_variant("triton:2:8:warm") == Variant("triton", 2, 8, warm=True)
+    assert parse_variant("triton:2:8:lazy") == Variant("triton", 2, 8, lazy=True)
     for bad in ("triton:1:8:gpu2", "triton:1:8:g0", "triton:1:8:fast", "triton:1:8:tsb9", "triton:1:8:tsb0"):
         with pytest.raises(SystemExit, match="unknown option"):
             parse_variant(bad)
@@ -148,7 +149,9 @@ def test_report_labels_name_each_build_and_serving_option():
     assert label({**base, "workers": 4, "gpus": 2}) == "slm (triton, ×4 workers, 2 GPUs, batch 8)"
     assert label({**base, "ts_batch": 2}) == "slm (triton, batch 8, TorchServe batch 2)"
     assert label({**base, "ts_batch": 8}) == "slm (triton, batch 8)"
-    assert label({**base, "capture_at_load": True}) == "slm (triton, batch 8, graphs captured at load)"
+    assert label({**base, "capture_at_load": True}) == "slm (triton, batch 8)"
+    assert label({**base, "cuda_graphs": True, "capture_at_load": False}) == (
+        "slm (triton, batch 8, graphs captured on first call)")
     assert label({"system": "hf", "workers": 4}) == "hf"
 
 
