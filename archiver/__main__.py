@@ -37,6 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--deadline-ms", type=float,
                    help="latency a queued request must still meet, sizing the queue when --queue is not given "
                         "(default 80 on CUDA builds; CPU builds, a development path, queue 100)")
+    b.add_argument("--fp8-max-diff", type=float, default=0.05,
+                   help="fp8 precisions, score tasks: the largest |difference| of a label probability from the "
+                        "bf16 graph allowed on the evaluation texts (the accuracy gate; the build fails above it)")
+    b.add_argument("--fp8-min-shared", type=float, default=0.6,
+                   help="fp8 precisions, beam tasks: the least mean share of the bf16 graph's W candidates the "
+                        "fp8 graph must also return on the evaluation prompts (the build fails below it)")
     b.add_argument("--device-ids", type=_ids,
                    help="CUDA builds: the GPUs this model's workers go to in turn, e.g. 0,1 (TorchServe's deviceIds; "
                         "default: every GPU of the host, in turn with the other models' workers); the queue "
@@ -50,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         build(args.checkpoint, args.task, args.model_name, args.export_path, args.device, args.workers,
               args.response_timeout, attention, args.batch_delay_ms, args.queue, args.cuda_graphs != "off",
-              args.deadline_ms, topk, args.device_ids, args.cuda_graphs == "on")
+              args.deadline_ms, topk, args.device_ids, args.cuda_graphs == "on", args.fp8_max_diff,
+              args.fp8_min_shared)
     except (SpecError, FileNotFoundError) as e:
         print(f"slm-archiver: error: {e}", file=sys.stderr)
         return 2

@@ -62,7 +62,8 @@ def build(
     checkpoint: str, task_path: str, model_name: str, export_path: str, device: str = "cpu",
     workers: int = 1, response_timeout: int = 120, attention: str = "reference", batch_delay_ms: int = 1,
     queue: int | None = None, cuda_graphs: bool = True, deadline_ms: float | None = None, topk: str = "torch",
-    device_ids: list[int] | None = None, capture_at_load: bool = True,
+    device_ids: list[int] | None = None, capture_at_load: bool = True, fp8_max_diff: float = 0.05,
+    fp8_min_shared: float = 0.6,
 ) -> Path:
     from model_archiver.model_archiver_config import ModelArchiverConfig
     from model_archiver.model_packaging import generate_model_archive
@@ -74,7 +75,7 @@ def build(
         stage = Path(tmp) / "stage"
         progress(f"loading checkpoint {checkpoint}")
         ckpt = load_checkpoint(checkpoint)
-        manifest = build_package(ckpt, task, device, stage, progress, attention, topk)
+        manifest = build_package(ckpt, task, device, stage, progress, attention, topk, fp8_max_diff, fp8_min_shared)
         progress(f"compiled graph matches eager: {manifest['check']}")
         if queue is None and deadline_ms is None and not device.startswith("cuda"):
             queue = 100  # CPU serving is for development: the latency target is the GPU's

@@ -16,6 +16,7 @@ import torch
 
 from slm_core.checkpoint import Checkpoint, load_checkpoint
 from slm_core.errors import InputError
+from slm_core.fp8 import quantize_linears
 from slm_core.graphs import BeamGraph, ScoreGraph
 from slm_core.model import Transformer
 from slm_core.spec import PRECISIONS, RuntimeSpec, TaskSpec
@@ -29,13 +30,14 @@ def build_graph(ckpt: Checkpoint, task: TaskSpec, runtime: RuntimeSpec) -> tuple
     model = Transformer.empty(ckpt.spec, task.max_seq_tokens, dtype, runtime.device, runtime.attention)
     model.load_hf_weights(ckpt.weights)
     if task.task == "score":
-        graph = ScoreGraph(model, tokenizer.label_ids())
+        graph = ScoreGraph(model, tokenizer.label_ids())  # copies its label rows of the LM head first
     else:
         stop = tokenizer.stop_ids()
         topk = None
         if runtime.topk == "triton":
             from kernels.vocab_topk import vocab_topk as topk
         graph = BeamGraph(model, task.beam_width, task.new_tokens, stop, pad_id=stop[0] if stop else 0, topk=topk)
+    quantize_linears(model, task.precision, runtime.attention == "triton")  # fp8: E4M3 modules in place of bf16
     return graph.to(runtime.device).eval(), tokenizer
 
 

@@ -28,21 +28,35 @@ FORMAT = 3  # 2: the beam graph takes cu_seqlens and answers B prompts per call;
 MANIFEST, GRAPH, TOKENIZER = "manifest.json", "graph.pt2", "tokenizer.json"
 # Compiled vs eager on the check inputs: largest allowed |difference| of probabilities / beam scores,
 # and the share of compiled beam candidates that eager also returns.
-TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
+TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2, "fp8-mlp": 5e-2, "fp8-mlp-lmhead": 5e-2}
 # A beam score sums N bf16 log-probs over the whole vocabulary: transformers' own bf16 beam scores
 # are 0.08-0.21 from fp32 on the H200 (bench/results/2026-11-29_engine_gpu_*), so a compiled graph
 # that fuses differently from eager may differ by as much.
 # In fp32 a beam score is a sum of up to new_tokens differences of two numbers of 10-30 (a logit
 # and the vocabulary's logsumexp); compiled and eager block the GEMMs differently, and SmolLM2's
 # CPU build measured 1.5e-4 once (2026-11-30, same candidates), against 1e-4 as a bound before.
-BEAM_TOLERANCE = {"fp32": 1e-3, "bf16": 0.25}
-MIN_SHARED = {"fp32": 1.0, "bf16": 0.75}
+BEAM_TOLERANCE = {"fp32": 1e-3, "bf16": 0.25, "fp8-mlp": 0.25, "fp8-mlp-lmhead": 0.25}
+MIN_SHARED = {"fp32": 1.0, "bf16": 0.75, "fp8-mlp": 0.75, "fp8-mlp-lmhead": 0.75}
 CHECK_TEXTS = [
     "cheap flights from berlin to rome in may",
     "is this review positive? the battery died after two days",
     "weather",
     "best running shoes for flat feet under 100 dollars",
     "how do i reset my router password",
+]
+# The fixed evaluation set of the FP8 accuracy gate (fp8_gate): the check texts and more of the kind.
+EVAL_TEXTS = CHECK_TEXTS + [
+    "wireless noise cancelling headphones with long battery life",
+    "the delivery was late and the package was damaged",
+    "vegetarian lasagna recipe without ricotta",
+    "what time does the pharmacy on main street close",
+    "great hotel, friendly staff, but the breakfast was cold",
+    "python list comprehension with two loops",
+    "cheap used cars near me with low mileage",
+    "is it safe to travel to iceland in winter",
+    "return policy for items bought on sale",
+    "kids bicycle 20 inch with gears",
+    "symptoms of a cold versus the flu",
 ]
 
 
@@ -58,10 +72,11 @@ def versions(device: torch.device) -> dict[str, Any]:
 
 def build_package(
     ckpt: Checkpoint, task: TaskSpec, device: str, out_dir: Path, progress: Callable[[str], None] = print,
-    attention: str = "reference", topk: str = "torch",
+    attention: str = "reference", topk: str = "torch", fp8_max_diff: float = 0.05, fp8_min_shared: float = 0.6,
 ) -> dict[str, Any]:
     """Compile `task` for `device` into out_dir; returns the manifest. Raises SpecError when the
-    compiled graph disagrees with the eager one."""
+    compiled graph disagrees with the eager one, or an fp8 precision fails its accuracy gate
+    against bf16 (fp8_gate: fp8_max_diff for score, fp8_min_shared for beam)."""
     runtime = RuntimeSpec(device, attention, topk)
     dev = torch.device(device)
     if dev.type != "cuda" and "triton" in (attention, topk):
@@ -85,6 +100,11 @@ def build_package(
     compiled = Engine(torch._inductor.aoti_load_package(package), tokenizer, task, runtime)
     eager = Engine(graph, tokenizer, task, runtime)
     check = step("checking the compiled graph against eager", lambda: check_compiled(eager, compiled))
+    gate = None
+    if task.precision.startswith("fp8"):
+        gate = step(f"accuracy gate: {task.precision} against bf16 on {len(EVAL_TEXTS)} evaluation texts",
+                    lambda: fp8_gate(ckpt, runtime, eager, fp8_max_diff, fp8_min_shared))
+        progress(f"accuracy gate passed: {gate}")
     if dev.type == "cuda":  # the way it serves: replayed from CUDA graphs (padded to size buckets)
         replayed = _cuda_engine(package, tokenizer, task, runtime, dev, cuda_graphs=True)
         check["cuda_graphs"] = step("checking the compiled graph replayed from CUDA graphs against eager",
@@ -107,6 +127,7 @@ def build_package(
         "versions": versions(dev),
         "graph": {"file": GRAPH, "signature": signature(task)},
         "check": check,
+        "fp8_gate": gate,
         "full_call_ms": full_call_ms,
         "built": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
@@ -128,6 +149,41 @@ def signature(task: TaskSpec) -> dict[str, list[str]]:
         "outputs": [f"tokens int64 [prompts, {w}, {n}]", f"lengths int64 [prompts, {w}]",
                     f"scores float32 [prompts, {w}]"],
     }
+
+
+def fp8_gate(ckpt: Checkpoint, runtime: RuntimeSpec, quantized: Engine, max_diff: float, min_shared: float,
+             ) -> dict[str, Any]:
+    """The eager fp8 graph against the same task in bf16 on EVAL_TEXTS: score, the largest and
+    the mean |difference| of label probabilities; beam (the first 8 that fit), the share of the
+    bf16 graph's W candidates that the fp8 graph also returns, mean and worst prompt. Raises
+    SpecError past max_diff (score) or below min_shared (beam)."""
+    task = dataclasses.replace(quantized.task, precision="bf16")
+    graph, tokenizer = build_graph(ckpt, task, runtime)
+    reference = Engine(graph, tokenizer, task, runtime)
+    samples = [s for s in EVAL_TEXTS if _fits(tokenizer, s)]
+    if not samples:
+        raise SpecError("no evaluation text fits the task bounds: does the template alone exceed them?")
+    gate: dict[str, Any] = {"against": "bf16"}
+    if task.task == "score":
+        diffs = [abs(x - y) for i in range(0, len(samples), task.max_texts)
+                 for a, b in zip(reference.score(samples[i : i + task.max_texts]),
+                                 quantized.score(samples[i : i + task.max_texts]))
+                 for x, y in zip(a, b)]
+        gate.update(texts=len(samples), max_abs_diff=max(diffs), mean_abs_diff=sum(diffs) / len(diffs),
+                    max_allowed=max_diff)
+        failed = gate["max_abs_diff"] > max_diff
+    else:
+        shares = []
+        for prompt in samples[:8]:
+            want = {tuple(c["token_ids"]) for c in reference.beam(prompt)}
+            shares.append(len(want & {tuple(c["token_ids"]) for c in quantized.beam(prompt)}) / len(want))
+        gate.update(prompts=len(shares), shared_candidates=sum(shares) / len(shares), worst_prompt=min(shares),
+                    min_allowed=min_shared)
+        failed = gate["shared_candidates"] < min_shared
+    if failed:
+        raise SpecError(f"the {quantized.task.precision} build fails its accuracy gate against bf16: {gate} "
+                        "(thresholds: archiver --fp8-max-diff, --fp8-min-shared)")
+    return gate
 
 
 def check_compiled(eager: Engine, compiled: Engine) -> dict[str, Any]:

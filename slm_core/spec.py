@@ -13,7 +13,8 @@ import yaml
 from slm_core.errors import SpecError
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
-PRECISIONS = {"fp32": "float32", "bf16": "bfloat16"}
+# precision -> the model's dtype; the fp8 precisions keep bf16 outside their E4M3 linears (slm_core.fp8)
+PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp8-mlp": "bfloat16", "fp8-mlp-lmhead": "bfloat16"}
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,9 @@ class TaskSpec:
                 raise SpecError(f"task key {name!r} must be a list of non-empty strings, got {list(items)!r}")
         if self.task == "score" and len(self.labels) < 2:
             raise SpecError("a score task needs at least two 'labels'")
+        if self.task == "score" and self.precision == "fp8-mlp-lmhead":
+            raise SpecError("precision 'fp8-mlp-lmhead' is for beam tasks: a score task computes only its labels' "
+                            "rows of the LM head (use 'fp8-mlp')")
 
     @property
     def placeholder(self) -> str:

@@ -241,6 +241,52 @@ def test_silu_mul_bf16_full_size(t, inner):
     assert rel_err(got, silu_mul_ref(x.bfloat16().float())) <= 1e-2
 
 
+@pytest.mark.parametrize("t, inner", [(1641, 3072), (801, 4864), (2, 1536)])
+def test_silu_mul_quant_bf16_full_size(t, inner):
+    """The FP8 MLP's SiLU·up + per-row E4M3 quantisation (slm_core.fp8) at W1/W2/SmolLM2 widths, one
+    row more as the MLP runs it: scales as the reference's up to a bf16 rounding of the row's
+    largest product, values within one E4M3 step."""
+    from kernels.layer_ref import silu_mul_quant_ref
+    from kernels.silu_mul import silu_mul_quant
+
+    torch.manual_seed(t)
+    x = (torch.randn(t, 2 * inner, device="cuda") * 4).bfloat16()
+    q, scale = silu_mul_quant(x)
+    rq, rscale = silu_mul_quant_ref(x)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (t, inner) and scale.shape == (t,)
+    assert ((scale - rscale).abs() <= 2 ** -7 * rscale).all()
+    got, want = q.float() * scale[:, None], rq.float() * rscale[:, None]
+    assert ((got - want).abs() <= want.abs() / 8 + rscale[:, None] * 2 ** -9).all()
+
+
+def test_fp8_graphs_bf16_against_bf16_and_export(random_checkpoint):
+    """FP8 on the H200 (issue 7): Fp8Linear at the W1 gate/up shape equals the product of its
+    quantised operands; fp8-mlp score and fp8-mlp-lmhead beam graphs with the Triton kernels stay
+    close to bf16, pass the accuracy gate, and export."""
+    from kernels.layer_ref import quantize_rows_ref
+    from slm_core.fp8 import Fp8Linear
+    from slm_core.package import fp8_gate
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(1024, 6144, device="cuda").bfloat16()
+    fp8, x = Fp8Linear(linear), torch.randn(1700, 1024, device="cuda").bfloat16()
+    qx, sx = quantize_rows_ref(x)
+    want = (qx.float() * sx[:, None]) @ (fp8.weight.float() * fp8.weight_scale[:, None]).t() + linear.bias.float()
+    assert rel_err(fp8(x), want) <= 1e-2
+    ckpt = load_checkpoint(random_checkpoint("qwen3")[0])
+    score = dict(task="score", labels=["yes", "no"], max_texts=4, max_text_tokens=32)
+    runtime = RuntimeSpec("cuda", "triton")
+    quant = engine_for(ckpt, runtime, **score, precision="fp8-mlp")
+    gate = fp8_gate(ckpt, runtime, quant, max_diff=0.1, min_shared=0.5)
+    assert gate["max_abs_diff"] < 0.1
+    export_graph(quant.graph, quant.task)
+    beam = dict(task="beam", beam_width=16, new_tokens=4, max_prompt_tokens=32)
+    runtime = RuntimeSpec("cuda", "triton", "triton")
+    quant = engine_for(ckpt, runtime, **beam, precision="fp8-mlp-lmhead")
+    assert fp8_gate(ckpt, runtime, quant, max_diff=0.1, min_shared=0.5)["shared_candidates"] >= 0.5
+    export_graph(quant.graph, quant.task)
+
+
 @pytest.mark.parametrize("rows", [1, 100, 800])
 def test_vocab_topk_bf16_full_size(rows):
     """The beam step's shape (V = 151,936, k = 2W = 200): the same values as torch.topk, ids that
