@@ -34,5 +34,23 @@ def beam_flops(spec: ModelSpec, prompt: int, width: int, new_tokens: int) -> int
     return linear_flops_per_token(spec) * (prompt + decode_tokens) + attention_flops(spec, pairs) + head
 
 
+def mlp_flops_per_token(spec: ModelSpec) -> int:
+    """The MLP's share of linear_flops_per_token: what the fp8 precisions run in E4M3."""
+    return 2 * 3 * spec.hidden_size * spec.intermediate_size * spec.num_layers
+
+
+def fp8_flops(spec: ModelSpec, precision: str, tokens: int, head: int = 0) -> int:
+    """Of a request's FLOPs, those in E4M3 linears (slm_core.fp8): the MLP over its `tokens` rows
+    for fp8-mlp, and the LM head's `head` FLOPs too for fp8-mlp-lmhead; 0 for bf16 and fp32."""
+    if not precision.startswith("fp8"):
+        return 0
+    return mlp_flops_per_token(spec) * tokens + (head if precision == "fp8-mlp-lmhead" else 0)
+
+
 def mfu(qps: float, flops_per_request: float, precision: str = "bf16") -> float:
     return qps * flops_per_request / PEAK[precision]
+
+
+def mfu_effective(qps: float, flops_per_request: float, fp8_per_request: float = 0.0) -> float:
+    """DESIGN.md's effective MFU: each precision's FLOPs against that precision's dense peak."""
+    return qps * ((flops_per_request - fp8_per_request) / PEAK["bf16"] + fp8_per_request / PEAK["fp8"])

@@ -42,7 +42,9 @@ def label(r: dict) -> str:
         ["no CUDA graphs"] if r.get("cuda_graphs") is False and r.get("device") != "cpu" else []) + (
         ["graphs captured on first call"] if r.get("capture_at_load") is False and r.get("cuda_graphs")
         and r.get("device") != "cpu" else []) + (
-        ["Triton top-k"] if r.get("topk") else [])
+        ["Triton top-k"] if r.get("topk") else []) + (
+        [{"fp8-mlp": "FP8 MLP", "fp8-mlp-lmhead": "FP8 MLP + LM head"}[r["precision"]]]
+        if r.get("precision", "").startswith("fp8") else [])
     return f"slm ({', '.join([r['attention'], *extra])})"
 
 

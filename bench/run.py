@@ -30,6 +30,7 @@ from handlers.local_server import TorchServe
 from slm_core.spec import ModelSpec
 
 BENCH = Path(__file__).resolve().parent
+PRECISION_SUFFIX = {"fp8-mlp": "_fp8", "fp8-mlp-lmhead": "_fp8head"}  # archive names of the fp8 builds
 LEVELS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128]  # finer where the SLO usually binds
 
 
@@ -105,13 +106,18 @@ def archive_handler(name: str, handler: Path, extra: dict, store: Path, device: 
         archive_format="zip-store", force=True, config_file=str(config)))
 
 
-def request_flops(workload: Workload, spec: ModelSpec, tokenizer: Tokenizer, body: dict) -> int:
+def request_flops(workload: Workload, spec: ModelSpec, tokenizer: Tokenizer, body: dict,
+                  precision: str = "bf16") -> tuple[int, int]:
+    """A request's logical FLOPs (bench.flops) and, of them, those an fp8 `precision` runs in E4M3."""
     template = workload.task.get("prompt_template")
     if workload.texts:
         lengths = [len(tokenizer.encode((template or "{text}").replace("{text}", t)).ids) for t in body["texts"]]
-        return flops.score_flops(spec, lengths, len(workload.task["labels"]))
+        return (flops.score_flops(spec, lengths, len(workload.task["labels"])),
+                flops.fp8_flops(spec, precision, sum(lengths)))
     prompt = len(tokenizer.encode((template or "{prompt}").replace("{prompt}", body["prompt"])).ids)
-    return flops.beam_flops(spec, prompt, workload.task["beam_width"], workload.task["new_tokens"])
+    w, n = workload.task["beam_width"], workload.task["new_tokens"]
+    head = 2 * spec.hidden_size * spec.vocab_size * (1 + w * (n - 1))
+    return flops.beam_flops(spec, prompt, w, n), flops.fp8_flops(spec, precision, prompt + w * (n - 1), head)
 
 
 def main() -> None:
@@ -125,7 +131,8 @@ def main() -> None:
     p.add_argument("--slm", help="slm variants to measure, comma-separated ATTENTION:WORKERS:BATCH[:OPTION...], "
                                  "e.g. triton:2:8 (BATCH: requests per graph call). Options: nographs (the same archive "
                                  "served without CUDA graphs), lazy (the same archive capturing each CUDA-graph bucket on its first "
-                                 "call, not all at worker load), topk (beam archives built with --topk triton), gN (the "
+                                 "call, not all at worker load), topk (beam archives built with --topk triton), fp8 / fp8head (built with "
+                                 "precision fp8-mlp / fp8-mlp-lmhead, score archives fp8-mlp; slm_core.fp8), gN (the "
                                  "workers spread over GPUs 0..N-1 in turn; otherwise all on GPU 0), e.g. triton:4:8:g2, "
                                  "tsbN (TorchServe hands a worker at most N < BATCH requests at once, so that they "
                                  "spread over more workers), e.g. triton:4:8:g2:tsb2. "
@@ -167,8 +174,12 @@ def main() -> None:
         if "slm" in systems:
             for v in variants:
                 topk = v.topk and w.task["task"] == "beam"  # a build option of beam archives
-                mar = f"slm_{model}_{v.attention}_b{v.batch}" + ("_topk" if topk else "")
-                task = {**w.task, "max_batch": v.batch}
+                # the LM head in E4M3 is for beam tasks (a score task computes only its label rows)
+                precision = v.precision or w.task.get("precision", "bf16")
+                if precision == "fp8-mlp-lmhead" and w.task["task"] == "score":
+                    precision = "fp8-mlp"
+                mar = f"slm_{model}_{v.attention}_b{v.batch}" + ("_topk" if topk else "") + PRECISION_SUFFIX.get(precision, "")
+                task = {**w.task, "max_batch": v.batch, "precision": precision}
                 if mar not in builds and (argv := slm_build(mar, checkpoints[w.name], task, store, args.device,
                                                             v.attention, work, "triton" if topk else "torch")):
                     builds[mar] = argv
@@ -178,7 +189,7 @@ def main() -> None:
                     f"_g{v.gpus}" if v.gpus > 1 else "") + (f"_tsb{ts_batch}" if ts_batch != v.batch else "")
                 d = Deployment("slm", f"{served}_x{v.workers}", f"{served}.mar", v.workers, v.attention, v.batch,
                                cuda_graphs=not v.nographs, topk=topk, gpus=v.gpus, built=f"{mar}.mar",
-                               ts_batch=ts_batch, capture_at_load=not v.lazy and not v.nographs)
+                               ts_batch=ts_batch, capture_at_load=not v.lazy and not v.nographs, precision=precision)
                 if d not in deployments:
                     deployments.append(d)
         if "hf" in systems:
@@ -196,6 +207,10 @@ def main() -> None:
             configured_copy(store / d.built, store / d.mar, d.cuda_graphs, d.gpus, d.ts_batch,
                             lazy=d.cuda_graphs and not d.capture_at_load)
     deployments = [d for d in deployments if d.system != "slm" or (store / d.mar).exists()]
+    gates = {d.built: built_manifest(store / d.built).get("fp8_gate") for d in deployments if d.system == "slm"}
+    for name, gate in gates.items():
+        if gate:
+            log(f"{name}: fp8 accuracy gate against bf16: {gate}")
     if args.build_only:
         sys.exit(1 if failed else 0)
 
@@ -206,15 +221,17 @@ def main() -> None:
     totals: dict[str, dict[str, float]] = {}  # per deployment, TorchServe's counters at its last point
     placed: dict[str, list[int | None]] = {}  # per deployment, its workers' GPUs
 
-    def record(d: Deployment, workload: str, point, flops_per_request: float) -> None:
+    def record(d: Deployment, workload: str, point, flops_per_request: float, fp8_per_request: float) -> None:
         before, totals[d.name] = totals.get(d.name, {}), frontend_totals(server, d.name)
         rec = {"system": d.system, "attention": d.attention, "batch": d.batch, "cuda_graphs": d.cuda_graphs,
                "capture_at_load": d.capture_at_load, "topk": d.topk, "gpus": d.gpus, "worker_gpus": placed.get(d.name),
                "ts_batch": d.ts_batch or d.batch,
                "workload": workload, **frontend_means(before, totals[d.name]),
                "workers": d.workers, **dataclasses.asdict(point), **meta, "flops_per_request": flops_per_request,
-               # every FLOP is bf16 until an FP8 build exists, so the two figures agree
-               "mfu_effective": flops.mfu(point.qps, flops_per_request), "mfu_bf16": flops.mfu(point.qps, flops_per_request)}
+               "precision": d.precision, "fp8_flops_per_request": fp8_per_request, "fp8_gate": gates.get(d.built),
+               # each precision's FLOPs at its own peak; mfu_bf16 counts them all at the bf16 peak
+               "mfu_effective": flops.mfu_effective(point.qps, flops_per_request, fp8_per_request),
+               "mfu_bf16": flops.mfu(point.qps, flops_per_request)}
         rec.pop("request_indices")
         with results.open("a") as f:
             f.write(json.dumps(rec) + "\n")
@@ -251,15 +268,15 @@ def main() -> None:
         (out / f"{stamp}_served_check.json").write_text(json.dumps(checks, indent=1))
         for w in workloads.values():
             spec = specs[w.name]
-            per_body = [request_flops(w, spec, tokenizers[w.name], b) for b in bodies[w.name]]
             encoded = [json.dumps(b).encode() for b in bodies[w.name]]
             for d in serving[w.name]:
+                per_body = [request_flops(w, spec, tokenizers[w.name], b, d.precision) for b in bodies[w.name]]
                 url = f"{server.inference}/predictions/{d.name}"
                 for c in ([] if args.smoke else [c for c in levels if c <= max(2, 2 * d.batch * d.workers)]):
                     measure(url, encoded, c, 0.0, args.prewarm)  # steady state first: not recorded
                 totals[d.name] = frontend_totals(server, d.name)
                 sweep(url, encoded, levels[:2] if args.smoke else levels, args.warmup, args.duration,
-                      on_point=lambda pt: record(d, w.name, pt, mean_flops(pt, per_body)))
+                      on_point=lambda pt: record(d, w.name, pt, *mean_flops(pt, per_body)))
     finally:
         server.stop()
         # the server's own account (and its per-request metric lines), next to the records
@@ -285,6 +302,7 @@ class Deployment:
     built: str = ""  # slm: the archive built, when `mar` is a configured copy of it
     ts_batch: int | None = None  # slm: TorchServe's batchSize when below `batch` (the graph's max_batch)
     capture_at_load: bool = False  # slm on CUDA: every CUDA-graph bucket captured at worker load (else on first call)
+    precision: str = "bf16"  # slm: the task's precision (bf16, fp8-mlp, fp8-mlp-lmhead; slm_core.fp8)
 
 
 class Variant(NamedTuple):
@@ -295,6 +313,7 @@ class Variant(NamedTuple):
     batch: int
     nographs: bool = False
     lazy: bool = False
+    precision: str | None = None  # the workload's; fp8: fp8-mlp; fp8head: fp8-mlp-lmhead (score archives: fp8-mlp)
     topk: bool = False
     gpus: int = 1
     ts_batch: int | None = None  # TorchServe's batchSize, when below `batch`
@@ -306,12 +325,14 @@ def parse_variant(text: str) -> Variant:
     for o in options:
         if o in ("nographs", "lazy", "topk"):
             v = v._replace(**{o: True})
+        elif o in ("fp8", "fp8head"):
+            v = v._replace(precision="fp8-mlp" if o == "fp8" else "fp8-mlp-lmhead")
         elif re.fullmatch(r"g[1-9][0-9]*", o):
             v = v._replace(gpus=int(o[1:]))
         elif re.fullmatch(r"tsb[1-9][0-9]*", o) and int(o[3:]) <= v.batch:
             v = v._replace(ts_batch=int(o[3:]))
         else:
-            raise SystemExit(f"--slm {text}: unknown option {o!r} (nographs, lazy, topk, gN, tsbN with N <= BATCH)")
+            raise SystemExit(f"--slm {text}: unknown option {o!r} (nographs, lazy, topk, fp8, fp8head, gN, tsbN with N <= BATCH)")
     return v
 
 
@@ -352,6 +373,14 @@ def frontend_means(before: dict[str, float], after: dict[str, float]) -> dict[st
         return {}
     per = {key: (after[key] - before.get(key, 0.0)) / n / 1e3 for key in FRONTEND[1:]}
     return {"ts_requests": n, "ts_frontend_ms": per[FRONTEND[1]], "ts_queue_ms": per[FRONTEND[2]]}
+
+
+def built_manifest(mar: Path) -> dict:
+    """The package manifest inside a built slm archive (slm_core.package)."""
+    import zipfile
+
+    with zipfile.ZipFile(mar) as z:
+        return json.loads(z.read("manifest.json"))
 
 
 def configured_copy(src: Path, dst: Path, cuda_graphs: bool = True, gpus: int = 1, ts_batch: int | None = None,
@@ -423,8 +452,11 @@ def served_check(server: TorchServe, workload: str, bodies: list[dict], deployme
     return {"workload": workload, "against": base.name, "requests": len(bodies), "deployments": result}
 
 
-def mean_flops(point, per_body: list[int]) -> float:
-    return sum(per_body[i] for i in point.request_indices) / max(1, len(point.request_indices))
+def mean_flops(point, per_body: list[tuple[int, int]]) -> tuple[float, float]:
+    """Mean FLOPs, and fp8 FLOPs, of the requests a point completed."""
+    n = max(1, len(point.request_indices))
+    return (sum(per_body[i][0] for i in point.request_indices) / n,
+            sum(per_body[i][1] for i in point.request_indices) / n)
 
 
 def plan(args, work: Path):

@@ -50,6 +50,14 @@ def test_flops_by_hand():
     pairs = 6 + 2 * 4 + 2 * 5
     assert flops.beam_flops(spec, 3, 2, 3) == 2304 * 7 + 2 * 2 * 2 * 4 * pairs * 2 + 2 * 8 * 100 * 5
     assert flops.mfu(100.0, 989e10) == pytest.approx(1.0)
+    # fp8: the MLP's share (gate_up + down, 256 + 128 MACs per layer) of each token, the LM head with lmhead
+    assert flops.mlp_flops_per_token(spec) == 2 * 384 * 2
+    assert flops.fp8_flops(spec, "bf16", 7, head=1600) == 0
+    assert flops.fp8_flops(spec, "fp8-mlp", 7, head=1600) == 1536 * 7
+    assert flops.fp8_flops(spec, "fp8-mlp-lmhead", 7, head=1600) == 1536 * 7 + 1600
+    # effective MFU: each precision at its own peak (FP8's is twice bf16's on the H200)
+    assert flops.mfu_effective(100.0, 989e10, 0.0) == pytest.approx(1.0)
+    assert flops.mfu_effective(100.0, 989e10, 989e10) == pytest.approx(989 / 1979)
 
 
 @pytest.mark.slow
@@ -136,6 +144,9 @@ def test_variants_parse_options_and_refuse_unknown_ones():
     assert parse_variant("triton:4:8:g2:topk") == Variant("triton", 4, 8, topk=True, gpus=2)
     assert parse_variant("triton:4:8:g2:tsb2:nographs") == Variant("triton", 4, 8, nographs=True, gpus=2, ts_batch=2)
     assert parse_variant("triton:2:8:lazy") == Variant("triton", 2, 8, lazy=True)
+    assert parse_variant("triton:2:8:fp8").precision == "fp8-mlp"
+    assert parse_variant("triton:2:8:topk:fp8head").precision == "fp8-mlp-lmhead"
+    assert parse_variant("triton:2:8").precision is None  # the workload's own
     for bad in ("triton:1:8:gpu2", "triton:1:8:g0", "triton:1:8:fast", "triton:1:8:tsb9", "triton:1:8:tsb0"):
         with pytest.raises(SystemExit, match="unknown option"):
             parse_variant(bad)
@@ -153,6 +164,8 @@ def test_report_labels_name_each_build_and_serving_option():
     assert label({**base, "cuda_graphs": True, "capture_at_load": False}) == (
         "slm (triton, batch 8, graphs captured on first call)")
     assert label({"system": "hf", "workers": 4}) == "hf"
+    assert label({**base, "precision": "fp8-mlp"}) == "slm (triton, batch 8, FP8 MLP)"
+    assert label({**base, "precision": "bf16"}) == "slm (triton, batch 8)"
 
 
 def test_loadgen_averages_the_handler_headers_and_counts_captures():
