@@ -221,7 +221,7 @@ def main() -> None:
     totals: dict[str, dict[str, float]] = {}  # per deployment, TorchServe's counters at its last point
     placed: dict[str, list[int | None]] = {}  # per deployment, its workers' GPUs
 
-    def record(d: Deployment, workload: str, point, flops_per_request: float, fp8_per_request: float) -> None:
+    def record(d: Deployment, workload: str, point, flops_per_request: float, fp8_per_request: float = 0.0) -> None:
         before, totals[d.name] = totals.get(d.name, {}), frontend_totals(server, d.name)
         rec = {"system": d.system, "attention": d.attention, "batch": d.batch, "cuda_graphs": d.cuda_graphs,
                "capture_at_load": d.capture_at_load, "topk": d.topk, "gpus": d.gpus, "worker_gpus": placed.get(d.name),
