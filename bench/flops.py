@@ -28,10 +28,14 @@ def score_flops(spec: ModelSpec, lengths: list[int], labels: int) -> int:
 def beam_flops(spec: ModelSpec, prompt: int, width: int, new_tokens: int) -> int:
     """Prefill of the prompt (LM head on its last row), then new_tokens - 1 decode steps of W beams,
     each beam attending to the prompt plus its own suffix."""
-    decode_tokens = width * (new_tokens - 1)
     pairs = prompt * (prompt + 1) // 2 + sum(width * (prompt + t) for t in range(1, new_tokens))
-    head = 2 * spec.hidden_size * spec.vocab_size * (1 + decode_tokens)
-    return linear_flops_per_token(spec) * (prompt + decode_tokens) + attention_flops(spec, pairs) + head
+    return (linear_flops_per_token(spec) * (prompt + width * (new_tokens - 1)) + attention_flops(spec, pairs)
+            + beam_head_flops(spec, width, new_tokens))
+
+
+def beam_head_flops(spec: ModelSpec, width: int, new_tokens: int) -> int:
+    """The LM head of a beam request: the prompt's last row, then W rows per decode step."""
+    return 2 * spec.hidden_size * spec.vocab_size * (1 + width * (new_tokens - 1))
 
 
 def mlp_flops_per_token(spec: ModelSpec) -> int:
@@ -45,6 +49,11 @@ def fp8_flops(spec: ModelSpec, precision: str, tokens: int, head: int = 0) -> in
     if not precision.startswith("fp8"):
         return 0
     return mlp_flops_per_token(spec) * tokens + (head if precision == "fp8-mlp-lmhead" else 0)
+
+
+def beam_fp8_flops(spec: ModelSpec, precision: str, prompt: int, width: int, new_tokens: int) -> int:
+    """fp8_flops of a beam request: the MLP over the prompt and the decode rows, the LM head's rows."""
+    return fp8_flops(spec, precision, prompt + width * (new_tokens - 1), beam_head_flops(spec, width, new_tokens))
 
 
 def mfu(qps: float, flops_per_request: float, precision: str = "bf16") -> float:

@@ -16,7 +16,8 @@
 # stays warm, so each next call is just `follow`, back to back (the machine goes back when idle).
 # Needs: carry [".devbundle", "bench/assets"]; $OUT (the device tool's output folder); $COMMIT.
 # Optional: $VARIANTS, $SLM (below), $SYSTEMS (slm,hf: SYSTEMS=slm leaves the peer out), PROFILE=0, CHECK=0,
-# $WORKLOADS (default W3,W2,W1), $BENCH_ARGS (more bench.run options for the pipeline's bench step, e.g. --levels). On nvidia-h200-x2, SLM=...,triton:4:8:g2 spreads 4 workers over 2 GPUs.
+# $WORKLOADS (default W3,W2,W1), $BENCH_ARGS (more bench.run options for the pipeline's bench step,
+# e.g. --levels). On nvidia-h200-x2, SLM=...,triton:4:8:g2 spreads 4 workers over 2 GPUs.
 set -u
 source .devbundle/setup.sh
 WORK=.bench-work
@@ -70,7 +71,8 @@ all)
 start)
     # a warm machine keeps the last pipeline's out/: its DONE would end `follow` at once
     mkdir -p "$PIPE" && rm -f "$PIPE/DONE" && cp "$0" "$WORK/pipeline.sh"  # runs from a copy: the next call re-sends the tree
-    COMMIT=$COMMIT SLM=$SLM VARIANTS=$VARIANTS WORKLOADS=$WORKLOADS SYSTEMS=${SYSTEMS:-slm,hf} BENCH_ARGS=${BENCH_ARGS:-} PROFILE=${PROFILE:-1} CHECK=${CHECK:-1} \
+    COMMIT=$COMMIT SLM=$SLM VARIANTS=$VARIANTS WORKLOADS=$WORKLOADS SYSTEMS=${SYSTEMS:-slm,hf} \
+        BENCH_ARGS=${BENCH_ARGS:-} PROFILE=${PROFILE:-1} CHECK=${CHECK:-1} \
         setsid nohup bash "$WORK/pipeline.sh" all > "$WORK/pipeline.log" 2>&1 < /dev/null &
     sleep 5
     bash "$0" follow ;;

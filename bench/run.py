@@ -116,8 +116,7 @@ def request_flops(workload: Workload, spec: ModelSpec, tokenizer: Tokenizer, bod
                 flops.fp8_flops(spec, precision, sum(lengths)))
     prompt = len(tokenizer.encode((template or "{prompt}").replace("{prompt}", body["prompt"])).ids)
     w, n = workload.task["beam_width"], workload.task["new_tokens"]
-    head = 2 * spec.hidden_size * spec.vocab_size * (1 + w * (n - 1))
-    return flops.beam_flops(spec, prompt, w, n), flops.fp8_flops(spec, precision, prompt + w * (n - 1), head)
+    return flops.beam_flops(spec, prompt, w, n), flops.beam_fp8_flops(spec, precision, prompt, w, n)
 
 
 def main() -> None:
@@ -130,9 +129,10 @@ def main() -> None:
     p.add_argument("--systems", default="slm,hf")
     p.add_argument("--slm", help="slm variants to measure, comma-separated ATTENTION:WORKERS:BATCH[:OPTION...], "
                                  "e.g. triton:2:8 (BATCH: requests per graph call). Options: nographs (the same archive "
-                                 "served without CUDA graphs), lazy (the same archive capturing each CUDA-graph bucket on its first "
-                                 "call, not all at worker load), topk (beam archives built with --topk triton), fp8 / fp8head (built with "
-                                 "precision fp8-mlp / fp8-mlp-lmhead, score archives fp8-mlp; slm_core.fp8), gN (the "
+                                 "served without CUDA graphs), lazy (the same archive capturing each CUDA-graph "
+                                 "bucket on its first call, not all at worker load), topk (beam archives built with "
+                                 "--topk triton), fp8 / fp8head (built with precision fp8-mlp / fp8-mlp-lmhead, score "
+                                 "archives fp8-mlp; slm_core.fp8), gN (the "
                                  "workers spread over GPUs 0..N-1 in turn; otherwise all on GPU 0), e.g. triton:4:8:g2, "
                                  "tsbN (TorchServe hands a worker at most N < BATCH requests at once, so that they "
                                  "spread over more workers), e.g. triton:4:8:g2:tsb2. "
@@ -178,7 +178,8 @@ def main() -> None:
                 precision = v.precision or w.task.get("precision", "bf16")
                 if precision == "fp8-mlp-lmhead" and w.task["task"] == "score":
                     precision = "fp8-mlp"
-                mar = f"slm_{model}_{v.attention}_b{v.batch}" + ("_topk" if topk else "") + PRECISION_SUFFIX.get(precision, "")
+                mar = (f"slm_{model}_{v.attention}_b{v.batch}" + ("_topk" if topk else "")
+                       + PRECISION_SUFFIX.get(precision, ""))
                 task = {**w.task, "max_batch": v.batch, "precision": precision}
                 if mar not in builds and (argv := slm_build(mar, checkpoints[w.name], task, store, args.device,
                                                             v.attention, work, "triton" if topk else "torch")):
@@ -332,7 +333,8 @@ def parse_variant(text: str) -> Variant:
         elif re.fullmatch(r"tsb[1-9][0-9]*", o) and int(o[3:]) <= v.batch:
             v = v._replace(ts_batch=int(o[3:]))
         else:
-            raise SystemExit(f"--slm {text}: unknown option {o!r} (nographs, lazy, topk, fp8, fp8head, gN, tsbN with N <= BATCH)")
+            raise SystemExit(f"--slm {text}: unknown option {o!r} "
+                             "(nographs, lazy, topk, fp8, fp8head, gN, tsbN with N <= BATCH)")
     return v
 
 

@@ -13,10 +13,11 @@ Sequences do not see each other (block-diagonal prefill, per-prompt beams), so t
 answers do not change, and the padding rows are never read. The compiled graph accepts these
 sizes: slm_core.export exports up to TaskSpec.graph_tokens / graph_texts.
 
-The first call of a bucket runs once on a side stream, then is captured (at worker load for every
-bucket of bucket_grid, with the handler setting capture_at_load, slm_core.package.capture_all;
-else on the first served call of that size); every later call of that bucket copies its inputs into the static input buffers and replays (launches go from ~1,500
-kernel launches from C++ to one graph launch; bench/RESULTS.md). All graphs share one memory
+The first call of a bucket runs once on a side stream, then is captured: at worker load for every
+bucket of bucket_grid (the handler setting capture_at_load, slm_core.package.capture_all), else on
+the first served call of that size. Every later call of that bucket copies its inputs into the
+static input buffers and replays (launches go from ~1,500 kernel launches from C++ to one graph
+launch; bench/RESULTS.md). All graphs share one memory
 pool: calls are serialised by the engine and each call's outputs are read before the next runs.
 """
 
