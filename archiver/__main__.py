@@ -47,7 +47,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="CUDA builds: the GPUs this model's workers go to in turn, e.g. 0,1 (TorchServe's deviceIds; "
                         "default: every GPU of the host, in turn with the other models' workers); the queue "
                         "for --deadline-ms grows with their number")
+    b.add_argument("--contexts", type=int, default=0,
+                   help="request contexts per worker: 0 serves in TorchServe's sync mode (a worker takes one batch "
+                        "at a time); N >= 1 in its async mode, N graph calls at once in one worker, each on its own "
+                        "CUDA stream (slm_core.scheduler; the queue then waits inside the worker)")
     args = parser.parse_args(argv)
+    if args.contexts < 0:
+        parser.error("--contexts must be 0 (sync) or a positive number of request contexts")
     attention = args.attention or ("triton" if args.device.startswith("cuda") else "reference")
     topk = args.topk or ("triton" if args.device.startswith("cuda") else "torch")
 
@@ -57,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         build(args.checkpoint, args.task, args.model_name, args.export_path, args.device, args.workers,
               args.response_timeout, attention, args.batch_delay_ms, args.queue, args.cuda_graphs != "off",
               args.deadline_ms, topk, args.device_ids, args.cuda_graphs == "on", args.fp8_max_diff,
-              args.fp8_min_shared)
+              args.fp8_min_shared, args.contexts)
     except (SpecError, FileNotFoundError) as e:
         print(f"slm-archiver: error: {e}", file=sys.stderr)
         return 2

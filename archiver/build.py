@@ -28,7 +28,7 @@ def progress(message: str) -> None:
 
 def model_config(device: str, workers: int, response_timeout: int, batch: int = 1, batch_delay_ms: int = 1,
                  queue: int = 100, cuda_graphs: bool = True, device_ids: list[int] | None = None,
-                 capture_at_load: bool = True) -> dict:
+                 capture_at_load: bool = True, contexts: int = 0) -> dict:
     """TorchServe's per-model settings (model-config.yaml). A worker takes up to `batch` queued
     requests at once and waits at most `batch_delay_ms` for more: with 1 ms, what is queued goes
     at once (TorchServe 0.12 stops collecting after one extra request when the delay is 0). At
@@ -36,17 +36,27 @@ def model_config(device: str, workers: int, response_timeout: int, batch: int = 
     GPUs `device_ids` in turn (TorchServe's deviceIds; without them, to all the host's GPUs in
     turn, shared with the other models). The `handler` section is the handler's own
     (ctx.model_yaml_config): CUDA graphs or not, and whether a worker captures every size bucket
-    as it loads (else each on its first call)."""
+    as it loads (else each on its first call). With `contexts` >= 1 the worker runs in TorchServe's
+    async mode with that many request contexts (slm_core.scheduler), and `queue` bounds the
+    requests waiting inside it (TorchServe's own queue never fills in that mode); TorchServe then
+    hands requests over one at a time (its 0.12 async batching breaks on a second request, FACTS.md)
+    and the worker batches them itself. A worker has 10
+    minutes to load (TorchServe's default of 2 is near a CUDA worker's captures at load)."""
+    handler = {"cuda_graphs": cuda_graphs, "capture_at_load": cuda_graphs and capture_at_load}
+    if contexts:
+        handler.update(contexts=contexts, max_waiting=queue)
     return {
         "minWorkers": workers,
         "maxWorkers": workers,
-        "batchSize": batch,
+        "batchSize": 1 if contexts else batch,  # async: the worker batches (TorchServe 0.12 fails a batch of 2)
         "maxBatchDelay": batch_delay_ms,
         "jobQueueSize": queue,
         "responseTimeout": response_timeout,
+        "startupTimeout": 600,
         "deviceType": "gpu" if device.startswith("cuda") else "cpu",
         **({"deviceIds": list(device_ids)} if device_ids and device.startswith("cuda") else {}),
-        "handler": {"cuda_graphs": cuda_graphs, "capture_at_load": cuda_graphs and capture_at_load},
+        **({"asyncCommunication": True} if contexts else {}),
+        "handler": handler,
     }
 
 
@@ -63,7 +73,7 @@ def build(
     workers: int = 1, response_timeout: int = 120, attention: str = "reference", batch_delay_ms: int = 1,
     queue: int | None = None, cuda_graphs: bool = True, deadline_ms: float | None = None, topk: str = "torch",
     device_ids: list[int] | None = None, capture_at_load: bool = True, fp8_max_diff: float = 0.05,
-    fp8_min_shared: float = 0.6,
+    fp8_min_shared: float = 0.6, contexts: int = 0,
 ) -> Path:
     from model_archiver.model_archiver_config import ModelArchiverConfig
     from model_archiver.model_packaging import generate_model_archive
@@ -91,7 +101,7 @@ def build(
             shutil.copytree(src, stage / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         config = Path(tmp) / "model-config.yaml"
         settings = model_config(device, workers, response_timeout, task.max_batch, batch_delay_ms, queue, cuda_graphs,
-                                device_ids, capture_at_load)
+                                device_ids, capture_at_load, contexts)
         config.write_text(yaml.safe_dump(settings, sort_keys=False))
         progress(f"writing {export / (model_name + '.mar')}")
         generate_model_archive(ModelArchiverConfig(

@@ -8,6 +8,8 @@
 #   bash bench/h200.sh bench   # the measured run: noop ceiling, every $SLM deployment and the HF
 #                              # peer on W1-W3, served-answer check, report, PNGs
 #   bash bench/h200.sh profile # where one request's time goes, per Triton archive, CUDA graphs on/off
+#   bash bench/h200.sh contexts # graph calls at once in one process: 1-4 threads on 4 request contexts,
+#                              # per bf16 Triton archive (bench/contexts.py)
 #   bash bench/h200.sh start   # in the background: build beside check + kernels, then bench, then profile,
 #                              # into .bench-work/out; then follow
 #   bash bench/h200.sh follow  # wait (up to $FOLLOW s, default 560) for it; what is done comes back
@@ -44,6 +46,17 @@ bench)
     python3 -m bench.run "${ARGS[@]}" --out "$OUT" --warmup 1.5 --duration 3 --slm "$SLM" --no-build \
         --workloads "$WORKLOADS" --hf-workers 4 --systems "${SYSTEMS:-slm,hf}" "${@:2}"
     python3 -m bench.report "$OUT"/*_bench.jsonl --png-dir "$OUT" ;;
+contexts)
+    for mar in "$WORK"/model-store/slm_*_triton_b?_topk.mar "$WORK"/model-store/slm_score_*_triton_b?.mar; do
+        [ -e "$mar" ] || continue
+        name=$(basename "$mar" .mar)
+        [ -d "$WORK/unpacked/$name" ] || python3 -m zipfile -e "$mar" "$WORK/unpacked/$name"
+        case "$name" in *score*) ws=W1 ;; *) ws="W2 W3" ;; esac
+        for w in $ws; do
+            python3 -m bench.contexts --package "$WORK/unpacked/$name" --workload "$w" --contexts 4 --seconds 2 \
+                --tokenizer bench/assets/tokenizer.json --out "$OUT/contexts_${w}_${name}.json"
+        done
+    done ;;
 profile)
     # one request per call, with and without CUDA graphs, per built Triton archive
     for mar in "$WORK"/model-store/slm_*_triton_b?.mar "$WORK"/model-store/slm_*_triton_b?_topk.mar; do
@@ -65,6 +78,7 @@ all)
     bash "$0" build > "$OUT/build.log" 2>&1 &
     [ "${CHECK:-1}" = 1 ] && { bash "$0" check > "$OUT/check.log" 2>&1; bash "$0" kernels > "$OUT/kernels.log" 2>&1; } &
     wait
+    [ "${CONTEXTS:-1}" = 1 ] && bash "$0" contexts > "$OUT/contexts.log" 2>&1
     bash "$0" bench ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
     [ "${PROFILE:-1}" = 1 ] && bash "$0" profile > "$OUT/profile.log" 2>&1
     touch "$OUT/DONE" ;;
@@ -72,7 +86,7 @@ start)
     # a warm machine keeps the last pipeline's out/: its DONE would end `follow` at once
     mkdir -p "$PIPE" && rm -f "$PIPE/DONE" && cp "$0" "$WORK/pipeline.sh"  # runs from a copy: the next call re-sends the tree
     COMMIT=$COMMIT SLM=$SLM VARIANTS=$VARIANTS WORKLOADS=$WORKLOADS SYSTEMS=${SYSTEMS:-slm,hf} \
-        BENCH_ARGS=${BENCH_ARGS:-} PROFILE=${PROFILE:-1} CHECK=${CHECK:-1} \
+        BENCH_ARGS=${BENCH_ARGS:-} PROFILE=${PROFILE:-1} CHECK=${CHECK:-1} CONTEXTS=${CONTEXTS:-1} \
         setsid nohup bash "$WORK/pipeline.sh" all > "$WORK/pipeline.log" 2>&1 < /dev/null &
     sleep 5
     bash "$0" follow ;;

@@ -27,6 +27,7 @@ class Point:
     handler_ms: float = float("nan")
     graph_ms: float = float("nan")
     call_batch: float = float("nan")
+    wait_ms: float = float("nan")  # async mode: in the worker's own queue (X-Slm-Wait-Ms)
     captured: int = 0  # answers in the window whose graph call captured a CUDA graph (X-Slm-Captured)
 
     def meets_slo(self, mean_ms: float = 20.0, p99_ms: float = 80.0) -> bool:
@@ -41,7 +42,7 @@ def percentile(values: list[float], q: float) -> float:
 async def _run(url: str, bodies: list[bytes], concurrency: int, warmup: float, duration: float) -> Point:
     latencies: list[float] = []
     done: list[int] = []
-    split: list[tuple[float, float, float]] = []  # X-Slm-* headers of the answers in the window
+    split: list[tuple[float, ...]] = []  # X-Slm-* headers of the answers in the window
     errors = captured = 0
     counter = 0
     start = time.perf_counter()
@@ -57,12 +58,13 @@ async def _run(url: str, bodies: list[bytes], concurrency: int, warmup: float, d
                 i = counter % len(bodies)
                 counter += 1
                 sent = time.perf_counter()
-                times = [None] * 4
+                times = [None] * 5
                 try:
                     async with session.post(url, data=bodies[i], headers={"Content-Type": "application/json"}) as r:
                         await r.read()
                         ok = r.status == 200
-                        times = [r.headers.get(f"X-Slm-{h}") for h in ("Handler-Ms", "Graph-Ms", "Batch", "Captured")]
+                        times = [r.headers.get(f"X-Slm-{h}")
+                                 for h in ("Handler-Ms", "Graph-Ms", "Batch", "Wait-Ms", "Captured")]
                 except (aiohttp.ClientError, asyncio.TimeoutError):
                     ok = False
                 end = time.perf_counter()
@@ -70,9 +72,9 @@ async def _run(url: str, bodies: list[bytes], concurrency: int, warmup: float, d
                     if ok:
                         latencies.append((end - sent) * 1e3)
                         done.append(i)
-                        if None not in times[:3]:
-                            split.append(tuple(map(float, times[:3])))
-                        captured += times[3] == "1"
+                        if None not in times[:4]:
+                            split.append(tuple(map(float, times[:4])))
+                        captured += times[4] == "1"
                     else:
                         errors += 1
 
@@ -85,7 +87,8 @@ async def _run(url: str, bodies: list[bytes], concurrency: int, warmup: float, d
         p99_ms=percentile(latencies, 99) if n else float("nan"),
         completed=n, errors=errors, seconds=duration, request_indices=tuple(done),
         window_start=window_start, captured=captured,
-        **({} if not split else dict(zip(("handler_ms", "graph_ms", "call_batch"), map(statistics.fmean, zip(*split))))),
+        **({} if not split else dict(zip(("handler_ms", "graph_ms", "call_batch", "wait_ms"),
+                                          map(statistics.fmean, zip(*split))))),
     )
 
 

@@ -48,9 +48,9 @@ def main() -> None:
 
     tok = engine.tokenizer
     if workload.texts:
-        pack = lambda: tok.pack_texts(body["texts"], engine._ids.numpy(), engine._cu.numpy())  # noqa: E731
+        pack = lambda: tok.pack_texts(body["texts"], engine.contexts[0].ids.numpy(), engine.contexts[0].cu.numpy())  # noqa: E731
     else:
-        pack = lambda: tok.pack_prompt(body["prompt"], engine._ids.numpy())  # noqa: E731
+        pack = lambda: tok.pack_prompt(body["prompt"], engine.contexts[0].ids.numpy())  # noqa: E731
     parts = {
         "json_parse_ms": timed(lambda: json.loads(raw), args.repeat),
         "tokenize_pack_ms": timed(pack, args.repeat),

@@ -43,6 +43,7 @@ def label(r: dict) -> str:
         ["graphs captured on first call"] if r.get("capture_at_load") is False and r.get("cuda_graphs")
         and r.get("device") != "cpu" else []) + (
         ["Triton top-k"] if r.get("topk") else []) + (
+        [f"async, {r['contexts']} contexts"] if r.get("contexts") else []) + (
         [{"fp8-mlp": "FP8 MLP", "fp8-mlp-lmhead": "FP8 MLP + LM head"}[r["precision"]]]
         if r.get("precision", "").startswith("fp8") else [])
     return f"slm ({', '.join([r['attention'], *extra])})"
@@ -78,16 +79,17 @@ def table(records: list[dict]) -> str:
         lines += ["", "Per request at the capacity point (else the best point): client latency split by "
                       "TorchServe's counters and the handler's X-Slm-* headers (handler: parse, tokenize, graph "
                       "call, encode of the request's whole batch; graph call: copy in, GPU, copy out).", "",
-                  "| workload | system | at | client mean (ms) | in TorchServe | of which queued | handler | "
-                  "of which graph call | requests per call | IPC + batching wait | HTTP + client | "
-                  "answers behind a CUDA-graph capture |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| workload | system | at | client mean (ms) | in TorchServe | of which queued | "
+                  "queued in the worker (async) | handler | of which graph call | requests per call | "
+                  "IPC + batching wait | HTTP + client | answers behind a CUDA-graph capture |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for w, s, r in split:
             handler = r.get("handler_ms", float("nan"))
+            wait = r.get("wait_ms", float("nan")) if r.get("contexts") else 0.0
             lines.append(f"| {w} | {s} | c={r['concurrency']} | {fmt(r['mean_ms'])} | {fmt(r['ts_frontend_ms'])} | "
-                         f"{fmt(r['ts_queue_ms'])} | {fmt(handler)} | {fmt(r.get('graph_ms', float('nan')))} | "
-                         f"{fmt(r.get('call_batch', float('nan')))} | "
-                         f"{fmt(r['ts_frontend_ms'] - r['ts_queue_ms'] - handler)} | "
+                         f"{fmt(r['ts_queue_ms'])} | {fmt(wait) if r.get('contexts') else '–'} | {fmt(handler)} | "
+                         f"{fmt(r.get('graph_ms', float('nan')))} | {fmt(r.get('call_batch', float('nan')))} | "
+                         f"{fmt(r['ts_frontend_ms'] - r['ts_queue_ms'] - wait - handler)} | "
                          f"{fmt(r['mean_ms'] - r['ts_frontend_ms'])} | "
                          f"{r['captured'] if 'captured' in r else '–'} of {r['completed']} |")
     noop = [r for r in records if r["system"] == "noop"]

@@ -135,7 +135,8 @@ def main() -> None:
                                  "archives fp8-mlp; slm_core.fp8), gN (the "
                                  "workers spread over GPUs 0..N-1 in turn; otherwise all on GPU 0), e.g. triton:4:8:g2, "
                                  "tsbN (TorchServe hands a worker at most N < BATCH requests at once, so that they "
-                                 "spread over more workers), e.g. triton:4:8:g2:tsb2. "
+                                 "spread over more workers), e.g. triton:4:8:g2:tsb2, ctxN (TorchServe's async mode, "
+                                 "N request contexts per worker: archiver --contexts N), e.g. triton:1:8:topk:ctx3. "
                                  "Default: triton:1:1,triton:1:1:nographs on cuda, reference:1:1 on cpu")
     p.add_argument("--levels", default=",".join(map(str, LEVELS)), help="concurrency levels swept")
     p.add_argument("--hf-workers", default="1,4", help="peer worker counts to try; the best is kept")
@@ -184,13 +185,16 @@ def main() -> None:
                 if mar not in builds and (argv := slm_build(mar, checkpoints[w.name], task, store, args.device,
                                                             v.attention, work, "triton" if topk else "torch")):
                     builds[mar] = argv
-                # nographs, lazy, gN, tsbN: served from a copy of the archive with those settings (configured_copy)
+                # nographs, lazy, gN, tsbN, ctxN: served from a copy of the archive with those settings
+                # (configured_copy)
                 ts_batch = v.ts_batch or v.batch
                 served = mar + ("_nographs" if v.nographs else "") + ("_lazy" if v.lazy else "") + (
-                    f"_g{v.gpus}" if v.gpus > 1 else "") + (f"_tsb{ts_batch}" if ts_batch != v.batch else "")
+                    f"_g{v.gpus}" if v.gpus > 1 else "") + (f"_tsb{ts_batch}" if ts_batch != v.batch else "") + (
+                    f"_ctx{v.contexts}" if v.contexts else "")
                 d = Deployment("slm", f"{served}_x{v.workers}", f"{served}.mar", v.workers, v.attention, v.batch,
                                cuda_graphs=not v.nographs, topk=topk, gpus=v.gpus, built=f"{mar}.mar",
-                               ts_batch=ts_batch, capture_at_load=not v.lazy and not v.nographs, precision=precision)
+                               ts_batch=ts_batch, capture_at_load=not v.lazy and not v.nographs, precision=precision,
+                               contexts=v.contexts)
                 if d not in deployments:
                     deployments.append(d)
         if "hf" in systems:
@@ -206,7 +210,7 @@ def main() -> None:
     for d in deployments:
         if d.built and d.mar != d.built and not (store / d.mar).exists() and (store / d.built).exists():
             configured_copy(store / d.built, store / d.mar, d.cuda_graphs, d.gpus, d.ts_batch,
-                            lazy=d.cuda_graphs and not d.capture_at_load)
+                            lazy=d.cuda_graphs and not d.capture_at_load, contexts=d.contexts)
     deployments = [d for d in deployments if d.system != "slm" or (store / d.mar).exists()]
     gates = {d.built: built_manifest(store / d.built).get("fp8_gate") for d in deployments if d.system == "slm"}
     for name, gate in gates.items():
@@ -226,7 +230,7 @@ def main() -> None:
         before, totals[d.name] = totals.get(d.name, {}), frontend_totals(server, d.name)
         rec = {"system": d.system, "attention": d.attention, "batch": d.batch, "cuda_graphs": d.cuda_graphs,
                "capture_at_load": d.capture_at_load, "topk": d.topk, "gpus": d.gpus, "worker_gpus": placed.get(d.name),
-               "ts_batch": d.ts_batch or d.batch,
+               "ts_batch": d.ts_batch or d.batch, "contexts": d.contexts,
                "workload": workload, **frontend_means(before, totals[d.name]),
                "workers": d.workers, **dataclasses.asdict(point), **meta, "flops_per_request": flops_per_request,
                "precision": d.precision, "fp8_flops_per_request": fp8_per_request, "fp8_gate": gates.get(d.built),
@@ -304,6 +308,7 @@ class Deployment:
     ts_batch: int | None = None  # slm: TorchServe's batchSize when below `batch` (the graph's max_batch)
     capture_at_load: bool = False  # slm on CUDA: every CUDA-graph bucket captured at worker load (else on first call)
     precision: str = "bf16"  # slm: the task's precision (bf16, fp8-mlp, fp8-mlp-lmhead; slm_core.fp8)
+    contexts: int = 0  # slm: request contexts per worker in TorchServe's async mode (0: sync mode)
 
 
 class Variant(NamedTuple):
@@ -318,6 +323,7 @@ class Variant(NamedTuple):
     topk: bool = False
     gpus: int = 1
     ts_batch: int | None = None  # TorchServe's batchSize, when below `batch`
+    contexts: int = 0  # async mode with N request contexts per worker
 
 
 def parse_variant(text: str) -> Variant:
@@ -332,9 +338,11 @@ def parse_variant(text: str) -> Variant:
             v = v._replace(gpus=int(o[1:]))
         elif re.fullmatch(r"tsb[1-9][0-9]*", o) and int(o[3:]) <= v.batch:
             v = v._replace(ts_batch=int(o[3:]))
+        elif re.fullmatch(r"ctx[1-9][0-9]*", o):
+            v = v._replace(contexts=int(o[3:]))
         else:
             raise SystemExit(f"--slm {text}: unknown option {o!r} "
-                             "(nographs, lazy, topk, fp8, fp8head, gN, tsbN with N <= BATCH)")
+                             "(nographs, lazy, topk, fp8, fp8head, gN, tsbN with N <= BATCH, ctxN)")
     return v
 
 
@@ -386,12 +394,14 @@ def built_manifest(mar: Path) -> dict:
 
 
 def configured_copy(src: Path, dst: Path, cuda_graphs: bool = True, gpus: int = 1, ts_batch: int | None = None,
-                    lazy: bool = False) -> None:
+                    lazy: bool = False, contexts: int = 0) -> None:
     """A copy of the archive `src` whose model-config.yaml turns the handler's CUDA graphs off
     (cuda_graphs=False) or has each captured on its first call, not at worker load (lazy),
     spreads the workers over GPUs 0..gpus-1, with a queue `gpus` times as long (they serve that
     much more within the deadline, archiver.build.queue_for_deadline), and lets TorchServe hand a
-    worker at most `ts_batch` requests at once (the graph still takes up to its max_batch)."""
+    worker at most `ts_batch` requests at once (the graph still takes up to its max_batch), or
+    serves in TorchServe's async mode with `contexts` request contexts per worker (what archiver
+    --contexts writes: archiver.build.model_config)."""
     import zipfile
 
     with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as zout:
@@ -408,6 +418,10 @@ def configured_copy(src: Path, dst: Path, cuda_graphs: bool = True, gpus: int = 
                     config["jobQueueSize"] = config["jobQueueSize"] * gpus
                 if ts_batch:
                     config["batchSize"] = ts_batch
+                if contexts:
+                    config.update(asyncCommunication=True, batchSize=1)
+                    config["handler"] = {**(config.get("handler") or {}), "contexts": contexts,
+                                         "max_waiting": config["jobQueueSize"]}
                 data = yaml.safe_dump(config, sort_keys=False).encode()
             zout.writestr(item, data)
 

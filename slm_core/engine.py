@@ -6,11 +6,12 @@
     eng.beam("a prompt")             # [{"text", "token_ids", "score"}, ...] best first
 """
 
-import threading
+import contextlib
+import queue
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -41,22 +42,37 @@ def build_graph(ckpt: Checkpoint, task: TaskSpec, runtime: RuntimeSpec) -> tuple
     return graph.to(runtime.device).eval(), tokenizer
 
 
+class Context:
+    """One graph call's own state, preallocated at load (DESIGN.md's request context): the packed
+    token ids and cu_seqlens in host memory (pinned on CUDA), the CUDA graphs that replay calls
+    from them (slm_core.replay.CudaGraphs: own static inputs, own memory pool; None runs the
+    graph as is) and, on CUDA, the stream its calls run on. A call holds one context from
+    packing its inputs to reading its outputs back."""
+
+    def __init__(self, task: TaskSpec, device: torch.device, replay=None):
+        pin = device.type == "cuda"
+        self.ids = torch.empty(task.graph_tokens, dtype=torch.int32, pin_memory=pin)  # packed token ids
+        self.cu = torch.empty(task.graph_texts + 1, dtype=torch.int32, pin_memory=pin)  # cu_seqlens
+        self.replay = replay
+        self.stream = torch.cuda.Stream(device) if pin else None
+
+
 class Engine:
-    """Runs one task's graph. Buffers for one call are preallocated to the task's graph bounds;
-    calls are serialised by a lock. `replay` (CUDA only, slm_core.replay.CudaGraphs) runs the
-    compiled graph from CUDA graphs captured per input-size bucket."""
+    """Runs one task's graph. Each call takes a free request context (Context) and holds it to the
+    end, so as many calls run at once as there are contexts (one per entry of `replays`), each on
+    its own CUDA stream; more wait for one. `graph` must accept calls from several threads at once
+    when there are several contexts (slm_core.package serialises an AOTInductor runner's)."""
 
     def __init__(self, graph: torch.nn.Module, tokenizer: PackedTokenizer, task: TaskSpec, runtime: RuntimeSpec,
-                 replay=None):
+                 replays: Sequence = (None,)):
         self.graph = graph
         self.tokenizer = tokenizer
         self.task = task
         self.device = torch.device(runtime.device)
-        self.replay = replay
-        pin = self.device.type == "cuda"
-        self._ids = torch.empty(task.graph_tokens, dtype=torch.int32, pin_memory=pin)  # packed token ids
-        self._cu = torch.empty(task.graph_texts + 1, dtype=torch.int32, pin_memory=pin)  # cu_seqlens
-        self._lock = threading.Lock()
+        self.contexts = [Context(task, self.device, replay) for replay in replays]
+        self._free: queue.SimpleQueue[Context] = queue.SimpleQueue()
+        for context in self.contexts:
+            self._free.put(context)
 
     @classmethod
     def from_checkpoint(
@@ -112,39 +128,53 @@ class Engine:
             results.append((candidates, CallStats(1, span[2], graph_ms, batch, captured)))
         return results
 
-    def _call(self, requests: list[object], pack) -> tuple[list, list, float, bool]:
+    def _call(self, requests: list[object], pack, ctx: Context | None = None) -> tuple[list, list, float, bool]:
         """Pack each request behind the ones before it and run the graph once for all of them.
         pack(request, ids_out, cu_out) writes one request's ids and its own boundaries (from 0)
         and returns (sequences, tokens), or raises InputError having written nothing. Returns per
         request its InputError or its span (first sequence, sequences, tokens); the graph's
         outputs as host lists; the call's milliseconds from copy-in to results on the host; whether
-        the call captured a new CUDA graph (its first call of a size bucket, about three calls' time)."""
+        the call captured a new CUDA graph (its first call of a size bucket, about three calls' time).
+        It runs in the next free context, or in `ctx` when no call is running (at load)."""
         if len(requests) > self.task.max_batch:
             raise ValueError(f"{len(requests)} requests exceed max_batch={self.task.max_batch}")
-        ids_np, cu_np = self._ids.numpy(), self._cu.numpy()
+        if ctx is not None:
+            return self._run(ctx, requests, pack)
+        ctx = self._free.get()
+        try:
+            return self._run(ctx, requests, pack)
+        finally:
+            self._free.put(ctx)
+
+    def _run(self, ctx: Context, requests: list[object], pack) -> tuple[list, list, float, bool]:
+        with torch.inference_mode(), (torch.cuda.stream(ctx.stream) if ctx.stream else contextlib.nullcontext()):
+            return self._run_on(ctx, requests, pack)
+
+    def _run_on(self, ctx: Context, requests: list[object], pack) -> tuple[list, list, float, bool]:
+        ids_np, cu_np = ctx.ids.numpy(), ctx.cu.numpy()
         spans: list = []
-        with self._lock, torch.inference_mode():
-            n = t = 0
-            for request in requests:
-                try:
-                    ni, ti = pack(request, ids_np[t:], cu_np[n:])
-                except InputError as e:
-                    spans.append(e)
-                    continue
-                cu_np[n : n + ni + 1] += t  # its boundaries, shifted behind the requests before it
-                spans.append((n, ni, ti))
-                n, t = n + ni, t + ti
-            if n == 0:
-                return spans, [], 0.0, False
-            start = time.perf_counter()
-            graphs = self.replay.graphs if self.replay is not None else {}  # one per bucket captured so far
-            captured_before = len(graphs)
-            out = self.replay(self._ids, self._cu, n, t) if self.replay is not None else None
-            if out is None:
-                out = self.graph(self._ids[:t].to(self.device, non_blocking=True),
-                                 self._cu[: n + 1].to(self.device, non_blocking=True))
-            outputs = [x.cpu().tolist() for x in ((out,) if isinstance(out, torch.Tensor) else out)]
-            return spans, outputs, (time.perf_counter() - start) * 1e3, len(graphs) > captured_before
+        n = t = 0
+        for request in requests:
+            try:
+                ni, ti = pack(request, ids_np[t:], cu_np[n:])
+            except InputError as e:
+                spans.append(e)
+                continue
+            cu_np[n : n + ni + 1] += t  # its boundaries, shifted behind the requests before it
+            spans.append((n, ni, ti))
+            n, t = n + ni, t + ti
+        if n == 0:
+            return spans, [], 0.0, False
+        start = time.perf_counter()
+        replay = ctx.replay
+        captured_before = len(replay.graphs) if replay is not None else 0  # one per bucket captured so far
+        out = replay(ctx.ids, ctx.cu, n, t) if replay is not None else None
+        if out is None:
+            out = self.graph(ctx.ids[:t].to(self.device, non_blocking=True),
+                             ctx.cu[: n + 1].to(self.device, non_blocking=True))
+        outputs = [x.cpu().tolist() for x in ((out,) if isinstance(out, torch.Tensor) else out)]
+        captured = replay is not None and len(replay.graphs) > captured_before
+        return spans, outputs, (time.perf_counter() - start) * 1e3, captured
 
     def _expect(self, kind: str) -> None:
         if self.task.task != kind:

@@ -9,6 +9,7 @@ import datetime
 import itertools
 import json
 import platform
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -110,7 +111,8 @@ def build_package(
         check["cuda_graphs"] = step("checking the compiled graph replayed from CUDA graphs against eager",
                                     lambda: check_compiled(eager, replayed))
         # a graph that cannot be captured serves without CUDA graphs (the worker falls back alike)
-        check["cuda_graphs"]["captured"] = len(replayed.replay.graphs) if replayed.replay.enabled else 0
+        replay = replayed.contexts[0].replay
+        check["cuda_graphs"]["captured"] = len(replay.graphs) if replay.enabled else 0
         compiled = replayed
     full_call_ms = step("timing a full call (max_batch requests at the token bounds)", lambda: time_full_call(compiled))
     tokenizer.tokenizer.save(str(out_dir / TOKENIZER))
@@ -245,31 +247,35 @@ def time_full_call(engine: Engine, repeat: int = 5) -> float:
 
 def capture_all(engine: Engine) -> int:
     """Capture the CUDA graph of every bucket a call within the task's bounds lands in
-    (slm_core.replay.bucket_grid), so that no served call pays a capture (about three calls' time);
-    returns how many graphs the engine holds. The calls are token ids 1 in even sequences."""
-    replay = engine.replay
+    (slm_core.replay.bucket_grid), in every request context, so that no served call pays a capture
+    (about three calls' time); returns how many graphs the engine holds. The calls are token ids 1
+    in even sequences, made one context at a time (each takes the free one whose turn it is)."""
     calls = bucket_grid(engine.task)
-    replay.max_graphs = max(replay.max_graphs, len(calls))
-    for n, t in calls:
-        def pack(_, ids_out, cu_out, n=n, t=t):
-            ids_out[:t] = 1
-            cu_out[: n + 1] = [0, *itertools.accumulate(t // n + (i < t % n) for i in range(n))]
-            return n, t
+    for ctx in engine.contexts:
+        ctx.replay.max_graphs = max(ctx.replay.max_graphs, len(calls))
+    for ctx in engine.contexts:
+        for n, t in calls:
+            def pack(_, ids_out, cu_out, n=n, t=t):
+                ids_out[:t] = 1
+                cu_out[: n + 1] = [0, *itertools.accumulate(t // n + (i < t % n) for i in range(n))]
+                return n, t
 
-        engine._call([None], pack)  # its outputs are read back: the host buffers are free again
-        if not replay.enabled:  # a capture failed: the engine runs without CUDA graphs
-            break
-    return len(replay.graphs)
+            engine._call([None], pack, ctx)  # its outputs are read back: the host buffers are free again
+            if not ctx.replay.enabled:  # a capture failed: the engine runs without CUDA graphs
+                return 0
+    return sum(len(ctx.replay.graphs) for ctx in engine.contexts)
 
 
 def _fits(tokenizer: PackedTokenizer, text: str) -> bool:
     return len(tokenizer.tokenizer.encode(tokenizer.apply_template(text)).ids) <= tokenizer.task.sequence_tokens
 
 
-def load_package(model_dir: str | Path, gpu_id: int | None = None, cuda_graphs: bool = True) -> Engine:
+def load_package(model_dir: str | Path, gpu_id: int | None = None, cuda_graphs: bool = True,
+                 contexts: int = 1) -> Engine:
     """The Engine of a built package, on `cuda:{gpu_id}` for CUDA builds (replaying CUDA graphs
-    unless cuda_graphs is False). Refuses, with the reason, a package built for another device
-    type, torch version or GPU architecture."""
+    unless cuda_graphs is False), with `contexts` request contexts (calls that may run at once).
+    Refuses, with the reason, a package built for another device type, torch version or GPU
+    architecture."""
     model_dir = Path(model_dir)
     manifest = json.loads((model_dir / MANIFEST).read_text())
     if manifest.get("format") != FORMAT:
@@ -292,8 +298,9 @@ def load_package(model_dir: str | Path, gpu_id: int | None = None, cuda_graphs: 
     runtime = RuntimeSpec(str(device), manifest.get("attention", "reference"), manifest.get("topk", "torch"))
     path = str(model_dir / manifest["graph"]["file"])
     if device.type == "cuda":
-        return _cuda_engine(path, tokenizer, task, runtime, device, cuda_graphs)
-    return Engine(torch._inductor.aoti_load_package(path), tokenizer, task, runtime)
+        return _cuda_engine(path, tokenizer, task, runtime, device, cuda_graphs, contexts)
+    # a CPU package's runner has its own lock: contexts take turns on it
+    return Engine(torch._inductor.aoti_load_package(path), tokenizer, task, runtime, [None] * contexts)
 
 
 def worker_device(gpu_id: int | None) -> torch.device:
@@ -311,9 +318,28 @@ def worker_device(gpu_id: int | None) -> torch.device:
 
 
 def _cuda_engine(path: str, tokenizer: PackedTokenizer, task: TaskSpec, runtime: RuntimeSpec, device: torch.device,
-                 cuda_graphs: bool) -> Engine:
-    """A CUDA package's Engine; with cuda_graphs, its calls replay CUDA graphs (slm_core.replay),
-    which needs the package loaded single-threaded (FACTS.md)."""
+                 cuda_graphs: bool, contexts: int = 1) -> Engine:
+    """A CUDA package's Engine with `contexts` request contexts; with cuda_graphs, its calls replay
+    CUDA graphs (slm_core.replay), one set per context, which needs the package loaded
+    single-threaded (FACTS.md): its one runner then takes one call at a time (OneAtATime). Replays
+    do not go through the runner, so contexts replay at once."""
     index = torch.cuda.current_device() if device.index is None else device.index  # AOTI takes no None
     graph = torch._inductor.aoti_load_package(path, run_single_threaded=cuda_graphs, device_index=index)
-    return Engine(graph, tokenizer, task, runtime, CudaGraphs(graph, task, device) if cuda_graphs else None)
+    if not cuda_graphs:
+        return Engine(graph, tokenizer, task, runtime, [None] * contexts)
+    graph = OneAtATime(graph)
+    return Engine(graph, tokenizer, task, runtime, [CudaGraphs(graph, task, device) for _ in range(contexts)])
+
+
+class OneAtATime:
+    """A callable that callers from several threads take turns on: an AOTInductor package loaded
+    with run_single_threaded=True has no lock of its own. CUDA-graph capture and calls that do not
+    replay go through it."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self._lock = threading.Lock()
+
+    def __call__(self, *args):
+        with self._lock:
+            return self.fn(*args)

@@ -17,8 +17,9 @@ The first call of a bucket runs once on a side stream, then is captured: at work
 bucket of bucket_grid (the handler setting capture_at_load, slm_core.package.capture_all), else on
 the first served call of that size. Every later call of that bucket copies its inputs into the
 static input buffers and replays (launches go from ~1,500 kernel launches from C++ to one graph
-launch; bench/RESULTS.md). All graphs share one memory
-pool: calls are serialised by the engine and each call's outputs are read before the next runs.
+launch; bench/RESULTS.md). Each request context (slm_core.engine.Context) has its own CudaGraphs:
+its graphs share one memory pool, which is safe because a context runs one call at a time and reads
+its outputs before the next; contexts replay at once on their own streams, never sharing a pool.
 """
 
 import logging
@@ -135,7 +136,8 @@ class CudaGraphs:
             self.graph(*args)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: other contexts' threads go on replaying and copying while this one captures
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             outputs = self.graph(*args)
         self.pool = graph.pool()
         return graph, outputs

@@ -135,6 +135,10 @@ def test_configured_copies_change_only_their_settings(tmp_path):
         assert yaml.safe_load(d.read("model-config.yaml")) == {**base, "batchSize": 2}
     with zipfile.ZipFile(tmp_path / "lazy.mar") as e:
         assert yaml.safe_load(e.read("model-config.yaml"))["handler"] == {"cuda_graphs": True, "capture_at_load": False}
+    configured_copy(src, tmp_path / "ctx3.mar", contexts=3)  # as the archiver writes it with --contexts 3
+    with zipfile.ZipFile(tmp_path / "ctx3.mar") as f:
+        assert yaml.safe_load(f.read("model-config.yaml")) == model_config("cuda", 1, 60, batch=8, queue=6,
+                                                                           device_ids=[0], contexts=3)
 
 
 def test_variants_parse_options_and_refuse_unknown_ones():
@@ -147,7 +151,9 @@ def test_variants_parse_options_and_refuse_unknown_ones():
     assert parse_variant("triton:2:8:fp8").precision == "fp8-mlp"
     assert parse_variant("triton:2:8:topk:fp8head").precision == "fp8-mlp-lmhead"
     assert parse_variant("triton:2:8").precision is None  # the workload's own
-    for bad in ("triton:1:8:gpu2", "triton:1:8:g0", "triton:1:8:fast", "triton:1:8:tsb9", "triton:1:8:tsb0"):
+    assert parse_variant("triton:1:8:topk:ctx3") == Variant("triton", 1, 8, topk=True, contexts=3)
+    for bad in ("triton:1:8:gpu2", "triton:1:8:g0", "triton:1:8:fast", "triton:1:8:tsb9", "triton:1:8:tsb0",
+                "triton:1:8:ctx0"):
         with pytest.raises(SystemExit, match="unknown option"):
             parse_variant(bad)
 
@@ -160,6 +166,7 @@ def test_report_labels_name_each_build_and_serving_option():
     assert label({**base, "workers": 4, "gpus": 2}) == "slm (triton, ×4 workers, 2 GPUs, batch 8)"
     assert label({**base, "ts_batch": 2}) == "slm (triton, batch 8, TorchServe batch 2)"
     assert label({**base, "ts_batch": 8}) == "slm (triton, batch 8)"
+    assert label({**base, "contexts": 3}) == "slm (triton, batch 8, async, 3 contexts)"
     assert label({**base, "capture_at_load": True}) == "slm (triton, batch 8)"
     assert label({**base, "cuda_graphs": True, "capture_at_load": False}) == (
         "slm (triton, batch 8, graphs captured on first call)")
@@ -186,7 +193,8 @@ def test_loadgen_averages_the_handler_headers_and_counts_captures():
             self.rfile.read(int(self.headers["Content-Length"]))
             n = next(calls)
             self.send_response(200)
-            for key, value in (("Handler-Ms", "3.0"), ("Graph-Ms", "2.0"), ("Batch", "2"), ("Captured", str(int(n % 3 == 0)))):
+            for key, value in (("Handler-Ms", "3.0"), ("Graph-Ms", "2.0"), ("Batch", "2"), ("Wait-Ms", "0.5"),
+                               ("Captured", str(int(n % 3 == 0)))):
                 self.send_header(f"X-Slm-{key}", value)
             self.send_header("Content-Length", "2")
             self.end_headers()
@@ -202,5 +210,5 @@ def test_loadgen_averages_the_handler_headers_and_counts_captures():
     finally:
         server.shutdown()
     assert point.completed > 10 and point.errors == 0
-    assert (point.handler_ms, point.graph_ms, point.call_batch) == (3.0, 2.0, 2.0)
+    assert (point.handler_ms, point.graph_ms, point.call_batch, point.wait_ms) == (3.0, 2.0, 2.0, 0.5)
     assert abs(point.captured - point.completed / 3) <= 2

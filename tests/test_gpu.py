@@ -326,7 +326,7 @@ again = engine.run_score(json.loads(sys.argv[2]))[1]
 print(json.dumps({"device": str(engine.device), "current": torch.cuda.current_device(), "rows": rows,
                   "captured": [first.captured, again.captured],
                   "reserved": [torch.cuda.memory_reserved(i) for i in range(2)],
-                  "replayed": len(engine.replay.graphs)}))
+                  "replayed": len(engine.contexts[0].replay.graphs)}))
 """
 
 

@@ -158,9 +158,10 @@ class FakeCuda:
         monkeypatch.setattr(torch._inductor, "aoti_load_package",
                             lambda path, **kw: self.record("load", kw) or "graph")
         monkeypatch.setattr(package, "CudaGraphs", lambda graph, task, device: self.record("replay", device) or "replay")
-        monkeypatch.setattr(package, "Engine", lambda graph, tok, task, runtime, replay=None:
-                            self.record("engine", (graph, runtime.device, replay))
-                            or SimpleNamespace(task=task, device=torch.device(runtime.device), replay=replay))
+        monkeypatch.setattr(package, "Engine", lambda graph, tok, task, runtime, replays=(None,):
+                            self.record("engine", (getattr(graph, "fn", graph), runtime.device, list(replays)))
+                            or SimpleNamespace(task=task, device=torch.device(runtime.device),
+                                               contexts=[SimpleNamespace(replay=r) for r in replays]))
 
     def record(self, what, arg):
         self.calls.append((what, arg))
@@ -180,7 +181,7 @@ def test_worker_places_everything_on_its_gpu(archives, tmp_path, monkeypatch, gp
     assert handler.engine.device == device
     assert cuda.calls == [("set_device", device), ("capability", device),
                           ("load", {"run_single_threaded": True, "device_index": index}),
-                          ("replay", device), ("engine", ("graph", str(device), "replay"))]
+                          ("replay", device), ("engine", ("graph", str(device), ["replay"]))]
 
 
 def test_worker_given_a_gpu_the_host_lacks_is_refused(archives, tmp_path, monkeypatch):

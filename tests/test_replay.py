@@ -95,7 +95,7 @@ def test_padded_calls_answer_as_unpadded(random_checkpoint):
     ):
         plain = engine_for(ckpt, **task)
         fake = PaddedEager(plain.graph, plain.task)
-        padded = Engine(plain.graph, plain.tokenizer, plain.task, RuntimeSpec("cpu"), replay=fake)
+        padded = Engine(plain.graph, plain.tokenizer, plain.task, RuntimeSpec("cpu"), [fake])
         for requests in batches:  # the second is a full call: its padding needs the extra sequence
             run = (lambda e: e.run_score_batch(requests)) if kind == "score" else (lambda e: e.run_beam_batch(requests))
             for (a, _), (b, _) in zip(run(plain), run(padded)):
@@ -138,7 +138,7 @@ def test_capture_all_captures_each_bucket_once_and_answers_still_match(random_ch
         plain = engine_for(ckpt, **task)
         fake = CapturingEager(plain.graph, plain.task)
         fake.max_graphs = 3
-        warm = Engine(plain.graph, plain.tokenizer, plain.task, RuntimeSpec("cpu"), replay=fake)
+        warm = Engine(plain.graph, plain.tokenizer, plain.task, RuntimeSpec("cpu"), [fake])
         grid = bucket_grid(plain.task)
         assert capture_all(warm) == len(fake.graphs) == len(fake.calls) == len(grid) > fake.calls[0][0]
         assert fake.max_graphs == len(grid)

@@ -149,3 +149,78 @@ def test_a_full_queue_refuses_at_once_and_nothing_hangs(server, archives):
         else:
             assert json.loads(body)["code"] == 503
     print(f"\n200 at once against a queue of 30: {sum(s == 503 for s, _ in results)} refused with 503")
+
+
+def test_async_worker_with_two_contexts_answers_refuses_and_never_hangs(server, archives, tmp_path):
+    """A copy of tiny_score in TorchServe's async mode with 2 request contexts (archiver --contexts 2,
+    slm_core.scheduler) and 4 requests allowed to wait in the worker: concurrent requests get the
+    engine's answers, with their headers; bad ones their own 400 JSON; a burst far above the
+    bound gets correct answers or an immediate 503 JSON, none hangs; and the worker still answers."""
+    import urllib.request
+    import zipfile
+
+    import yaml
+
+    async_mar = archives["store"] / "tiny_score_async.mar"
+    with zipfile.ZipFile(archives["store"] / "tiny_score.mar") as zin, zipfile.ZipFile(async_mar, "w") as zout:
+        for item in zin.infolist():
+            data = zin.read(item.filename)
+            if item.filename == "model-config.yaml":
+                config = yaml.safe_load(data)
+                assert "asyncCommunication" not in config  # the default is sync
+                config["asyncCommunication"] = True
+                config["handler"].update(contexts=2, max_waiting=4)
+                config["batchSize"] = 1
+                data = yaml.safe_dump(config).encode()
+            zout.writestr(item, data)
+    server.register("tiny_score_async.mar", name="tiny_score_async")
+    engine = load_package(archives["tiny_score"])
+    url = f"{server.inference}/predictions/tiny_score_async"
+
+    def send(texts):
+        req = urllib.request.Request(url, json.dumps({"texts": texts}).encode(), {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, r.read(), dict(r.headers)
+        except urllib.error.HTTPError as e:
+            return e.code, e.read(), dict(e.headers)
+
+    requests = [[f"query number {i}", "search"] for i in range(4)]  # never more than 4 wait
+    results: dict[int, tuple] = {}
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, send(requests[i]))) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for i, texts in enumerate(requests):
+        status, body, headers = results[i]
+        assert status == 200, body
+        for row, ref in zip(json.loads(body)["scores"], engine.score(texts)):
+            assert row == pytest.approx(ref, abs=1e-6)
+        assert float(headers["X-Slm-Graph-Ms"]) > 0 and float(headers["X-Slm-Wait-Ms"]) >= 0
+    for body, message in BAD[:4]:
+        status, answer = server.predict("tiny_score_async", body)
+        assert status == 400 and message in json.loads(answer)["error"], (status, answer[:200])
+
+    burst: list = []
+    texts = ["search engines rank documents for a query"] * 8
+    expected = engine.score(texts)
+    threads = [threading.Thread(target=lambda: burst.append(send(texts))) for _ in range(60)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(burst) == 60  # none hung
+    refused = 0
+    for status, body, _ in burst:
+        assert status in (200, 503), (status, body)
+        if status == 200:
+            for row, ref in zip(json.loads(body)["scores"], expected):
+                assert row == pytest.approx(ref, abs=1e-6)
+        else:
+            refused += 1
+            assert "server busy" in json.loads(body)["error"]
+    assert 0 < refused < 60, refused
+    assert send(["still fine"])[0] == 200
+    log = (server.workdir / "logs" / "model_log.log").read_text()
+    assert "async mode, 2 request context(s)" in log
