@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.contexts < 0:
         parser.error("--contexts must be 0 (sync) or a positive number of request contexts")
+    if args.contexts and args.device.startswith("cuda"):
+        parser.error("--contexts is not offered for CUDA builds yet: a worker with 3 contexts stopped answering "
+                     "under load on the H200 (bench/RESULTS.md, run 2026-11-30T170240Z); CUDA serves in sync mode")
     attention = args.attention or ("triton" if args.device.startswith("cuda") else "reference")
     topk = args.topk or ("triton" if args.device.startswith("cuda") else "torch")
 

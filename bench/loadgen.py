@@ -39,7 +39,8 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
 
 
-async def _run(url: str, bodies: list[bytes], concurrency: int, warmup: float, duration: float) -> Point:
+async def _run(url: str, bodies: list[bytes], concurrency: int, warmup: float, duration: float,
+               timeout: float) -> Point:
     latencies: list[float] = []
     done: list[int] = []
     split: list[tuple[float, ...]] = []  # X-Slm-* headers of the answers in the window
@@ -49,8 +50,7 @@ async def _run(url: str, bodies: list[bytes], concurrency: int, warmup: float, d
     window = (start + warmup, start + warmup + duration)
     window_start = time.time() + warmup
     connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)
-    timeout = aiohttp.ClientTimeout(total=120)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout)) as session:
 
         async def client():
             nonlocal errors, counter, captured
@@ -92,8 +92,10 @@ async def _run(url: str, bodies: list[bytes], concurrency: int, warmup: float, d
     )
 
 
-def measure(url: str, bodies: list[bytes], concurrency: int, warmup: float = 1.0, duration: float = 5.0) -> Point:
-    return asyncio.run(_run(url, bodies, concurrency, warmup, duration))
+def measure(url: str, bodies: list[bytes], concurrency: int, warmup: float = 1.0, duration: float = 5.0,
+            timeout: float = 30.0) -> Point:
+    """One point; a request unanswered after `timeout` seconds counts as an error (the SLO is 80 ms)."""
+    return asyncio.run(_run(url, bodies, concurrency, warmup, duration, timeout))
 
 
 def sweep(url: str, bodies: list[bytes], levels: list[int], warmup: float, duration: float, on_point=None,

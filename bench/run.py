@@ -26,7 +26,7 @@ from archiver.build import model_config
 from bench import flops
 from bench.loadgen import measure, sweep
 from bench.workloads import WORKLOADS, TextMaker, Workload
-from handlers.local_server import TorchServe
+from handlers.local_server import TorchServe, http
 from slm_core.spec import ModelSpec
 
 BENCH = Path(__file__).resolve().parent
@@ -271,6 +271,7 @@ def main() -> None:
                    for w in workloads.values()}  # the loaded deployments of each workload's model
         checks = [served_check(server, w.name, bodies[w.name][:3], serving[w.name]) for w in workloads.values()]
         (out / f"{stamp}_served_check.json").write_text(json.dumps(checks, indent=1))
+        silent: set[str] = set()  # deployments that stopped answering: skipped from then on
         for w in workloads.values():
             spec = specs[w.name]
             encoded = [json.dumps(b).encode() for b in bodies[w.name]]
@@ -278,17 +279,39 @@ def main() -> None:
                 per_body = [request_flops(w, spec, tokenizers[w.name], b, d.precision) for b in bodies[w.name]]
                 url = f"{server.inference}/predictions/{d.name}"
                 for c in ([] if args.smoke else [c for c in levels if c <= max(2, 2 * d.batch * d.workers)]):
-                    measure(url, encoded, c, 0.0, args.prewarm)  # steady state first: not recorded
+                    if d.name in silent:
+                        break
+                    warm = measure(url, encoded, c, 0.0, args.prewarm)  # steady state first: not recorded
+                    if warm.completed == 0 and not answers(url, encoded[0]):
+                        silent.add(d.name)
+                        log(f"SKIPPED {d.name}: no answer on {w.name} at c={c} ({warm.errors} errors); its "
+                            "workers' log follows the records")
+                        save_logs(server_dir, out, stamp)
+                if d.name in silent:
+                    continue
                 totals[d.name] = frontend_totals(server, d.name)
                 sweep(url, encoded, levels[:2] if args.smoke else levels, args.warmup, args.duration,
                       on_point=lambda pt: record(d, w.name, pt, *mean_flops(pt, per_body)))
     finally:
         server.stop()
-        # the server's own account (and its per-request metric lines), next to the records
-        for name in ("ts_log.log", "model_log.log", "ts_metrics.log", "model_metrics.log"):
-            if (path := server_dir / "logs" / name).exists():
-                (out / f"{stamp}_{name.replace('.log', '.txt')}").write_bytes(path.read_bytes()[-500_000:])
+        save_logs(server_dir, out, stamp)
     log(f"wrote {results}")
+
+
+def answers(url: str, body: bytes, timeout: float = 30.0) -> bool:
+    """Whether one request gets a 200 within `timeout` seconds (a slow deployment does; a stuck one not)."""
+    try:
+        return http("POST", url, body, {"Content-Type": "application/json"}, timeout=timeout)[0] == 200
+    except OSError:  # the timeout
+        return False
+
+
+def save_logs(server_dir: Path, out: Path, stamp: str) -> None:
+    """The server's own account (and its per-request metric lines), next to the records: the
+    last 500 kB of each log."""
+    for name in ("ts_log.log", "model_log.log", "ts_metrics.log", "model_metrics.log"):
+        if (path := server_dir / "logs" / name).exists():
+            (out / f"{stamp}_{name.replace('.log', '.txt')}").write_bytes(path.read_bytes()[-500_000:])
 
 
 @dataclasses.dataclass(frozen=True)

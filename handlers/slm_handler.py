@@ -52,6 +52,9 @@ class SlmHandler:
             raise SpecError(f"handler setting contexts={contexts}: more than one request context needs "
                             "asyncCommunication: true (a sync worker runs one call at a time); rebuild with "
                             "archiver --contexts")
+        if contexts > 1 and settings.get("cuda_graphs", True) and not settings.get("capture_at_load", False):
+            raise SpecError("several request contexts capture their CUDA graphs at load (a capture must not "
+                            "overlap another context's call): set capture_at_load, archiver --cuda-graphs on")
         if asynchronous and config.get("batchSize", 1) != 1:  # the frontend's worker thread dies on the 2nd
             raise SpecError("asyncCommunication needs batchSize: 1 (TorchServe 0.12's async batching fails a "
                             "batch of two; this worker batches requests itself): rebuild with archiver --contexts")

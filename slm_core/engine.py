@@ -128,18 +128,31 @@ class Engine:
             results.append((candidates, CallStats(1, span[2], graph_ms, batch, captured)))
         return results
 
-    def _call(self, requests: list[object], pack, ctx: Context | None = None) -> tuple[list, list, float, bool]:
+    def each_context(self):
+        """Each request context in turn as the only free one, for calls made at load (capturing
+        CUDA graphs): a call in the loop body runs in the context yielded. Waits for calls in flight."""
+        held = [self._free.get() for _ in self.contexts]
+        try:
+            for ctx in held:
+                self._free.put(ctx)
+                try:
+                    yield ctx
+                finally:
+                    self._free.get()
+        finally:
+            for ctx in held:
+                self._free.put(ctx)
+
+    def _call(self, requests: list[object], pack) -> tuple[list, list, float, bool]:
         """Pack each request behind the ones before it and run the graph once for all of them.
         pack(request, ids_out, cu_out) writes one request's ids and its own boundaries (from 0)
         and returns (sequences, tokens), or raises InputError having written nothing. Returns per
         request its InputError or its span (first sequence, sequences, tokens); the graph's
         outputs as host lists; the call's milliseconds from copy-in to results on the host; whether
         the call captured a new CUDA graph (its first call of a size bucket, about three calls' time).
-        It runs in the next free context, or in `ctx` when no call is running (at load)."""
+        It runs in the next free context."""
         if len(requests) > self.task.max_batch:
             raise ValueError(f"{len(requests)} requests exceed max_batch={self.task.max_batch}")
-        if ctx is not None:
-            return self._run(ctx, requests, pack)
         ctx = self._free.get()
         try:
             return self._run(ctx, requests, pack)

@@ -36,8 +36,13 @@ TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2, "fp8-mlp": 5e-2, "fp8-mlp-lmhead": 5e-2
 # In fp32 a beam score is a sum of up to new_tokens differences of two numbers of 10-30 (a logit
 # and the vocabulary's logsumexp); compiled and eager block the GEMMs differently, and SmolLM2's
 # CPU build measured 1.5e-4 once (2026-11-30, same candidates), against 1e-4 as a bound before.
-BEAM_TOLERANCE = {"fp32": 1e-3, "bf16": 0.25, "fp8-mlp": 0.25, "fp8-mlp-lmhead": 0.25}
-MIN_SHARED = {"fp32": 1.0, "bf16": 0.75, "fp8-mlp": 0.75, "fp8-mlp-lmhead": 0.75}
+# FP8 beam builds: compiled and eager quantise the post-norm activations from different roundings
+# (Inductor fuses the norm into the quantisation without rounding to bf16 between), and values near
+# an E4M3 step land apart, which beam search amplifies: on the H200 (run 170240Z) compiled fp8
+# against eager fp8 was 0.35-0.38 with 65-69 % of candidates shared (bf16: 0.094, 90 %). For them this
+# check only guards against a broken compile; their accuracy criterion is fp8_gate against bf16.
+BEAM_TOLERANCE = {"fp32": 1e-3, "bf16": 0.25, "fp8-mlp": 0.5, "fp8-mlp-lmhead": 0.5}
+MIN_SHARED = {"fp32": 1.0, "bf16": 0.75, "fp8-mlp": 0.5, "fp8-mlp-lmhead": 0.5}
 CHECK_TEXTS = [
     "cheap flights from berlin to rome in may",
     "is this review positive? the battery died after two days",
@@ -101,11 +106,6 @@ def build_package(
     compiled = Engine(torch._inductor.aoti_load_package(package), tokenizer, task, runtime)
     eager = Engine(graph, tokenizer, task, runtime)
     check = step("checking the compiled graph against eager", lambda: check_compiled(eager, compiled))
-    gate = None
-    if task.precision.startswith("fp8"):
-        gate = step(f"accuracy gate: {task.precision} against bf16 on {len(EVAL_TEXTS)} evaluation texts",
-                    lambda: fp8_gate(ckpt, runtime, eager, fp8_max_diff, fp8_min_shared))
-        progress(f"accuracy gate passed: {gate}")
     if dev.type == "cuda":  # the way it serves: replayed from CUDA graphs (padded to size buckets)
         replayed = _cuda_engine(package, tokenizer, task, runtime, dev, cuda_graphs=True)
         check["cuda_graphs"] = step("checking the compiled graph replayed from CUDA graphs against eager",
@@ -114,6 +114,11 @@ def build_package(
         replay = replayed.contexts[0].replay
         check["cuda_graphs"]["captured"] = len(replay.graphs) if replay.enabled else 0
         compiled = replayed
+    gate = None
+    if task.precision.startswith("fp8"):  # what serves, against the same task in bf16
+        gate = step(f"accuracy gate: compiled {task.precision} against bf16 on {len(EVAL_TEXTS)} evaluation texts",
+                    lambda: fp8_gate(ckpt, runtime, compiled, fp8_max_diff, fp8_min_shared))
+        progress(f"accuracy gate passed: {gate}")
     full_call_ms = step("timing a full call (max_batch requests at the token bounds)", lambda: time_full_call(compiled))
     tokenizer.tokenizer.save(str(out_dir / TOKENIZER))
     manifest = {
@@ -155,7 +160,7 @@ def signature(task: TaskSpec) -> dict[str, list[str]]:
 
 def fp8_gate(ckpt: Checkpoint, runtime: RuntimeSpec, quantized: Engine, max_diff: float, min_shared: float,
              ) -> dict[str, Any]:
-    """The eager fp8 graph against the same task in bf16 on EVAL_TEXTS: score, the largest and
+    """The fp8 engine (the build's compiled one) against the same task in bf16, eager, on EVAL_TEXTS: score, the largest and
     the mean |difference| of label probabilities; beam (the first 8 that fit), the share of the
     bf16 graph's W candidates that the fp8 graph also returns, mean and worst prompt. Raises
     SpecError past max_diff (score) or below min_shared (beam)."""
@@ -249,20 +254,23 @@ def capture_all(engine: Engine) -> int:
     """Capture the CUDA graph of every bucket a call within the task's bounds lands in
     (slm_core.replay.bucket_grid), in every request context, so that no served call pays a capture
     (about three calls' time); returns how many graphs the engine holds. The calls are token ids 1
-    in even sequences, made one context at a time (each takes the free one whose turn it is)."""
+    in even sequences, one context at a time. With several contexts the graphs are then sealed:
+    a capture must not overlap another context's call (on the H200 concurrent captures failed and
+    took the process down, bench/RESULTS.md), so a later call of an uncaptured size runs as is."""
     calls = bucket_grid(engine.task)
-    for ctx in engine.contexts:
+    for ctx in engine.each_context():
         ctx.replay.max_graphs = max(ctx.replay.max_graphs, len(calls))
-    for ctx in engine.contexts:
         for n, t in calls:
             def pack(_, ids_out, cu_out, n=n, t=t):
                 ids_out[:t] = 1
                 cu_out[: n + 1] = [0, *itertools.accumulate(t // n + (i < t % n) for i in range(n))]
                 return n, t
 
-            engine._call([None], pack, ctx)  # its outputs are read back: the host buffers are free again
+            engine._call([None], pack)  # its outputs are read back: the host buffers are free again
             if not ctx.replay.enabled:  # a capture failed: the engine runs without CUDA graphs
                 return 0
+    for ctx in engine.contexts:
+        ctx.replay.sealed = len(engine.contexts) > 1
     return sum(len(ctx.replay.graphs) for ctx in engine.contexts)
 
 

@@ -20,6 +20,8 @@ static input buffers and replays (launches go from ~1,500 kernel launches from C
 launch; bench/RESULTS.md). Each request context (slm_core.engine.Context) has its own CudaGraphs:
 its graphs share one memory pool, which is safe because a context runs one call at a time and reads
 its outputs before the next; contexts replay at once on their own streams, never sharing a pool.
+A capture must not overlap another context's work, so with several contexts every graph is
+captured at load, one context at a time, and then no more (CudaGraphs.sealed).
 """
 
 import logging
@@ -93,7 +95,8 @@ def pad_inputs(ids: torch.Tensor, cu: torch.Tensor, sequences: int, tokens: int,
 
 class CudaGraphs:
     """Replays `graph` (an AOTInductor package loaded with run_single_threaded=True) from CUDA
-    graphs captured per bucket; at most `max_graphs` are captured, other sizes run the graph as is."""
+    graphs captured per bucket; at most `max_graphs` are captured (none once `sealed`), other sizes
+    run the graph as is."""
 
     def __init__(self, graph, task: TaskSpec, device: torch.device, max_graphs: int = 256):
         self.graph = graph
@@ -105,6 +108,7 @@ class CudaGraphs:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, object]] = {}
         self.pool = None
         self.enabled = True
+        self.sealed = False  # captures no more (slm_core.package.capture_all, several contexts)
 
     def __call__(self, ids: torch.Tensor, cu: torch.Tensor, sequences: int, tokens: int):
         """The graph's outputs (device tensors, valid until the next call) for the packed call in
@@ -112,7 +116,7 @@ class CudaGraphs:
         if not self.enabled or (b := bucket(self.task, sequences, tokens)) is None:
             return None
         key = b[:2]
-        if key not in self.graphs and len(self.graphs) >= self.max_graphs:
+        if key not in self.graphs and (self.sealed or len(self.graphs) >= self.max_graphs):
             return None
         n, t = pad_inputs(ids, cu, sequences, tokens, b)
         self.ids[:t].copy_(ids[:t], non_blocking=True)
@@ -129,15 +133,17 @@ class CudaGraphs:
         return outputs
 
     def _capture(self, n: int, t: int):
+        """Capture on the caller's stream (its request context's), after a first run there outside
+        the capture (lazy initialisation). PyTorch keeps a cuBLAS/cuBLASLt workspace per (handle,
+        stream), and a graph bakes in the one of the stream it was captured on: torch.cuda.graph's
+        default capture stream is one for all graphs, so every context's graphs would share one
+        workspace and race when replayed at once. The first run allocates the stream's own
+        workspace outside the graph's pool."""
         args = (self.ids[:t], self.cu[: n + 1])
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # a first run outside the capture (lazy initialisation)
-            self.graph(*args)
-        torch.cuda.current_stream(self.device).wait_stream(side)
+        stream = torch.cuda.current_stream(self.device)
+        self.graph(*args)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: other contexts' threads go on replaying and copying while this one captures
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
             outputs = self.graph(*args)
         self.pool = graph.pool()
         return graph, outputs

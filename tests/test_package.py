@@ -257,3 +257,35 @@ def test_triton_kernels_are_refused_on_cpu_builds(random_checkpoint, tmp_path):
         with pytest.raises(SpecError, match="compile for CUDA only"):
             build_package(ckpt, task, "cpu", tmp_path / "pkg", **kernels)
     assert not (tmp_path / "pkg").exists()
+
+
+def test_archiver_contexts_are_async_on_cpu_and_refused_on_cuda(capsys):
+    """archiver --contexts N writes TorchServe's async mode with N request contexts (batchSize 1:
+    the worker batches), and CUDA builds refuse it until an H200 run shows it answering under load."""
+    from archiver.__main__ import main
+    from archiver.build import model_config
+
+    config = model_config("cpu", 1, 60, batch=8, queue=20, contexts=3)
+    assert config["asyncCommunication"] is True and config["batchSize"] == 1
+    assert config["handler"] == {"cuda_graphs": True, "capture_at_load": True, "contexts": 3, "max_waiting": 20}
+    assert "asyncCommunication" not in model_config("cpu", 1, 60, batch=8) and model_config("cpu", 1, 60, batch=8)["batchSize"] == 8
+    for argv, message in ((["--device", "cuda", "--contexts", "2"], "not offered for CUDA builds"),
+                          (["--contexts", "-1"], "must be 0")):
+        with pytest.raises(SystemExit):
+            main(["build", "--checkpoint", "x", "--task", "t.yaml", "--model-name", "m", "--export-path", "o", *argv])
+        assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"handler": {"contexts": 2}}, "needs asyncCommunication"),
+    ({"asyncCommunication": True, "batchSize": 8, "handler": {"contexts": 2, "capture_at_load": True}}, "batchSize: 1"),
+    ({"asyncCommunication": True, "batchSize": 1, "handler": {"contexts": 2}}, "capture their CUDA graphs at load"),
+])
+def test_handler_refuses_async_settings_that_cannot_work(tmp_path, config, message):
+    """The worker refuses, before loading anything, what would hang or fail later: several contexts
+    in sync mode, TorchServe batching in async mode (0.12 kills the worker thread on a batch of
+    two), several contexts capturing CUDA graphs lazily (captures must not overlap calls)."""
+    ctx = MockContext(tmp_path)
+    ctx.model_yaml_config = config
+    with pytest.raises(SpecError, match=message):
+        SlmHandler().initialize(ctx)

@@ -218,8 +218,9 @@ def test_async_worker_with_two_contexts_answers_refuses_and_never_hangs(server, 
             for row, ref in zip(json.loads(body)["scores"], expected):
                 assert row == pytest.approx(ref, abs=1e-6)
         else:
-            refused += 1
-            assert "server busy" in json.loads(body)["error"]
+            refused += 1  # by the worker's queue, or TorchServe's when the worker is slow to take them
+            answer = json.loads(body)
+            assert "server busy" in answer.get("error", "") or answer.get("code") == 503, answer
     assert 0 < refused < 60, refused
     assert send(["still fine"])[0] == 200
     log = (server.workdir / "logs" / "model_log.log").read_text()
