@@ -76,6 +76,9 @@ def main() -> None:
     for batch in (int(b) for b in args.batches.split(",")):
         bodies = maker.requests(workload, 8 * batch)
         batches = [[{"body": json.dumps(b).encode()} for b in bodies[i : i + batch]] for i in range(0, len(bodies), batch)]
+        for ctx in engine.contexts:  # open again for this batch size's sizes
+            if ctx.replay is not None:
+                ctx.replay.sealed = False
         for _ in engine.each_context():  # one context at a time captures the sizes these calls use
             for b in batches:
                 respond_batch(engine, b)

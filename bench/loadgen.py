@@ -72,8 +72,8 @@ async def _run(url: str, bodies: list[bytes], concurrency: int, warmup: float, d
                     if ok:
                         latencies.append((end - sent) * 1e3)
                         done.append(i)
-                        if None not in times[:4]:
-                            split.append(tuple(map(float, times[:4])))
+                        if None not in times[:3]:  # Wait-Ms: async workers only (0 in sync mode)
+                            split.append((*map(float, times[:3]), float(times[3] or "nan")))
                         captured += times[4] == "1"
                     else:
                         errors += 1

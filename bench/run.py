@@ -7,6 +7,7 @@ CPU smoke (CI, SmolLM2, seconds of load):  python -m bench.run --smoke --out DIR
 
 import argparse
 import concurrent.futures
+import http.client as http_client
 import dataclasses
 import datetime
 import json
@@ -286,7 +287,7 @@ def main() -> None:
                         silent.add(d.name)
                         log(f"SKIPPED {d.name}: no answer on {w.name} at c={c} ({warm.errors} errors); its "
                             "workers' log follows the records")
-                        save_logs(server_dir, out, stamp)
+                        save_logs(server_dir, out, f"{stamp}_{d.name}_silent")
                 if d.name in silent:
                     continue
                 totals[d.name] = frontend_totals(server, d.name)
@@ -302,7 +303,7 @@ def answers(url: str, body: bytes, timeout: float = 30.0) -> bool:
     """Whether one request gets a 200 within `timeout` seconds (a slow deployment does; a stuck one not)."""
     try:
         return http("POST", url, body, {"Content-Type": "application/json"}, timeout=timeout)[0] == 200
-    except OSError:  # the timeout
+    except (OSError, http_client.HTTPException):  # the timeout, a broken answer
         return False
 
 

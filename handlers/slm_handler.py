@@ -90,19 +90,27 @@ class SlmHandler:
         of a stream (FACTS.md), and an exception escaping here fails every request in flight. So
         nothing escapes; a 200 goes out as a stream of one chunk and an error as a whole reply
         (an error's stream would lose its body); the empty replies returned end each stream."""
+        messages: list[bytes] = []
         try:
             served = await asyncio.gather(*(asyncio.wrap_future(self.scheduler.submit(r)) for r in data))
-        except Exception:  # the scheduler answers every request itself; this is a bug
-            log.exception("async handle failed")
-            served = [Served(error(500, "internal error while running the request"))] * len(data)
-        bodies = self._answer(served, ctx)
-        ok = {i: ctx.request_ids[i] for i, s in enumerate(served) if s.reply.status < 400}
-        failed = {i: ctx.request_ids[i] for i, s in enumerate(served) if s.reply.status >= 400}
-        with SOCKET:
+            bodies = self._answer(served, ctx)
+            ok = {i: ctx.request_ids[i] for i, s in enumerate(served) if s.reply.status < 400}
+            failed = {i: ctx.request_ids[i] for i, s in enumerate(served) if s.reply.status >= 400}
             if ok:
-                ctx.cl_socket.sendall(create_predict_response(bodies, ok, "Prediction success", 200, ctx, True))
-            if failed:
-                ctx.cl_socket.sendall(create_predict_response(bodies, failed, "Prediction success", 200, ctx))
+                messages.append(create_predict_response(bodies, ok, "Prediction success", 200, ctx, True))
+        except Exception:  # the scheduler answers every request itself: this is a bug
+            log.exception("async handle failed")
+            messages, failed = [], dict(ctx.request_ids)  # none was sent: all get the 500
+            bodies = [error(500, "internal error while running the request").body] * len(data)
+            for i in failed:
+                ctx.set_response_status(500, PHRASES[500], i)
+                ctx.set_response_content_type(i, "application/json")
+                ctx.set_response_header(i, "ts_stream_next", "")  # a whole reply, not a stream's first chunk
+        if failed:
+            messages.append(create_predict_response(bodies, failed, "Prediction success", 200, ctx))
+        with SOCKET:
+            for message in messages:
+                ctx.cl_socket.sendall(message)
         for i in failed:  # what the final reply below tells the frontend about them: done
             ctx.set_response_header(i, "ts_stream_next", "false")
         return [b""] * len(data)

@@ -267,7 +267,9 @@ def capture_all(engine: Engine) -> int:
                 return n, t
 
             engine._call([None], pack)  # its outputs are read back: the host buffers are free again
-            if not ctx.replay.enabled:  # a capture failed: the engine runs without CUDA graphs
+            if not ctx.replay.enabled:  # a capture failed: the engine runs without CUDA graphs, in every context
+                for other in engine.contexts:
+                    other.replay.enabled = False
                 return 0
     for ctx in engine.contexts:
         ctx.replay.sealed = len(engine.contexts) > 1

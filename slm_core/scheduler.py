@@ -62,12 +62,15 @@ class Scheduler:
         return len(self._queue)
 
     def _serve(self) -> None:
+        """One context's thread. Nothing may end it: a request whose thread died would wait forever."""
         batch_limit = self.engine.task.max_batch
         while True:
             with self._ready:
                 while not self._queue:
                     self._ready.wait()
                 batch = [self._queue.popleft() for _ in range(min(len(self._queue), batch_limit))]
+            # a future cancelled while it waited (its client went away) is dropped, not run
+            batch = [item for item in batch if item[1].set_running_or_notify_cancel()]
             start = time.perf_counter()
             try:
                 replies = respond_batch(self.engine, [request for request, _, _ in batch])

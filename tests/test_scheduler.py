@@ -59,3 +59,17 @@ def test_a_failing_call_answers_500_and_the_scheduler_serves_on():
     assert statuses == [400, 500, 500, 500]
     engine.fail = False
     assert scheduler.submit(body(9)).result(timeout=10).reply.status == 200
+
+
+def test_a_request_cancelled_while_waiting_is_dropped_and_the_thread_serves_on():
+    engine = GatedEngine(contexts=1, max_batch=4)
+    scheduler = Scheduler(engine, max_waiting=10)
+    first = scheduler.submit(body(0))
+    assert engine.started.acquire(timeout=10)
+    gone = scheduler.submit(body(1))
+    assert gone.cancel()  # its client went away (asyncio cancels the future it waits on)
+    kept = scheduler.submit(body(2))
+    engine.gate.set()
+    assert first.result(timeout=10).reply.status == 200 and kept.result(timeout=10).reply.status == 200
+    assert engine.calls == [1, 1]  # the cancelled one never ran
+    assert scheduler.submit(body(3)).result(timeout=10).reply.status == 200
