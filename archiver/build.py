@@ -42,22 +42,27 @@ def model_config(device: str, workers: int, response_timeout: int, batch: int = 
     hands requests over one at a time (its 0.12 async batching breaks on a second request, FACTS.md)
     and the worker batches them itself. A worker has 10
     minutes to load (TorchServe's default of 2 is near a CUDA worker's captures at load)."""
-    handler = {"cuda_graphs": cuda_graphs, "capture_at_load": cuda_graphs and capture_at_load}
-    if contexts:
-        handler.update(contexts=contexts, max_waiting=queue)
-    return {
+    config = {
         "minWorkers": workers,
         "maxWorkers": workers,
-        "batchSize": 1 if contexts else batch,  # async: the worker batches (TorchServe 0.12 fails a batch of 2)
+        "batchSize": batch,
         "maxBatchDelay": batch_delay_ms,
         "jobQueueSize": queue,
         "responseTimeout": response_timeout,
         "startupTimeout": 600,
         "deviceType": "gpu" if device.startswith("cuda") else "cpu",
         **({"deviceIds": list(device_ids)} if device_ids and device.startswith("cuda") else {}),
-        **({"asyncCommunication": True} if contexts else {}),
-        "handler": handler,
+        "handler": {"cuda_graphs": cuda_graphs, "capture_at_load": cuda_graphs and capture_at_load},
     }
+    return serve_async(config, contexts) if contexts else config
+
+
+def serve_async(config: dict, contexts: int) -> dict:
+    """A model-config in TorchServe's async mode with `contexts` request contexts per worker: one
+    request at a time from TorchServe (batchSize 1; the worker batches), and its jobQueueSize as
+    the bound of requests waiting inside the worker."""
+    handler = {**(config.get("handler") or {}), "contexts": contexts, "max_waiting": config["jobQueueSize"]}
+    return {**config, "asyncCommunication": True, "batchSize": 1, "handler": handler}
 
 
 def queue_for_deadline(deadline_ms: float, full_call_ms: float, batch: int, gpus: int = 1) -> int:

@@ -55,6 +55,12 @@ def run(engine, batches: list[list[dict]], threads: int, seconds: float, referen
             "answers_unlike_one_at_a_time": sum(differ)}
 
 
+def seal(engine, sealed: bool) -> None:
+    for ctx in engine.contexts:
+        if ctx.replay is not None:
+            ctx.replay.sealed = sealed
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--package", type=Path, required=True)
@@ -76,15 +82,11 @@ def main() -> None:
     for batch in (int(b) for b in args.batches.split(",")):
         bodies = maker.requests(workload, 8 * batch)
         batches = [[{"body": json.dumps(b).encode()} for b in bodies[i : i + batch]] for i in range(0, len(bodies), batch)]
-        for ctx in engine.contexts:  # open again for this batch size's sizes
-            if ctx.replay is not None:
-                ctx.replay.sealed = False
+        seal(engine, False)  # open again for this batch size's sizes
         for _ in engine.each_context():  # one context at a time captures the sizes these calls use
             for b in batches:
                 respond_batch(engine, b)
-        for ctx in engine.contexts:  # a capture must not overlap another context's call
-            if ctx.replay is not None:
-                ctx.replay.sealed = True
+        seal(engine, True)  # a capture must not overlap another context's call
         reference = [[r.body for r in respond_batch(engine, b)] for b in batches]
         for threads in range(1, args.contexts + 1):
             r = {"workload": args.workload, "batch": batch, "contexts": args.contexts,

@@ -23,7 +23,7 @@ import torch
 import yaml
 from tokenizers import Tokenizer
 
-from archiver.build import model_config
+from archiver.build import model_config, serve_async
 from bench import flops
 from bench.loadgen import measure, sweep
 from bench.workloads import WORKLOADS, TextMaker, Workload
@@ -443,9 +443,7 @@ def configured_copy(src: Path, dst: Path, cuda_graphs: bool = True, gpus: int = 
                 if ts_batch:
                     config["batchSize"] = ts_batch
                 if contexts:
-                    config.update(asyncCommunication=True, batchSize=1)
-                    config["handler"] = {**(config.get("handler") or {}), "contexts": contexts,
-                                         "max_waiting": config["jobQueueSize"]}
+                    config = serve_async(config, contexts)
                 data = yaml.safe_dump(config, sort_keys=False).encode()
             zout.writestr(item, data)
 

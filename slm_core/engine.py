@@ -155,15 +155,12 @@ class Engine:
             raise ValueError(f"{len(requests)} requests exceed max_batch={self.task.max_batch}")
         ctx = self._free.get()
         try:
-            return self._run(ctx, requests, pack)
+            with torch.inference_mode(), (torch.cuda.stream(ctx.stream) if ctx.stream else contextlib.nullcontext()):
+                return self._run(ctx, requests, pack)
         finally:
             self._free.put(ctx)
 
     def _run(self, ctx: Context, requests: list[object], pack) -> tuple[list, list, float, bool]:
-        with torch.inference_mode(), (torch.cuda.stream(ctx.stream) if ctx.stream else contextlib.nullcontext()):
-            return self._run_on(ctx, requests, pack)
-
-    def _run_on(self, ctx: Context, requests: list[object], pack) -> tuple[list, list, float, bool]:
         ids_np, cu_np = ctx.ids.numpy(), ctx.cu.numpy()
         spans: list = []
         n = t = 0
