@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from slm_core.checkpoint import load_checkpoint
-from slm_core.package import build_package
+from slm_core.package import FP8_MAX_DIFF, FP8_MIN_SHARED, build_package
 from slm_core.spec import TaskSpec
 
 HANDLER_MODULE = "handlers.slm_handler"
@@ -77,8 +77,8 @@ def build(
     checkpoint: str, task_path: str, model_name: str, export_path: str, device: str = "cpu",
     workers: int = 1, response_timeout: int = 120, attention: str = "reference", batch_delay_ms: int = 1,
     queue: int | None = None, cuda_graphs: bool = True, deadline_ms: float | None = None, topk: str = "torch",
-    device_ids: list[int] | None = None, capture_at_load: bool = True, fp8_max_diff: float = 0.05,
-    fp8_min_shared: float = 0.6, contexts: int = 0,
+    device_ids: list[int] | None = None, capture_at_load: bool = True, fp8_max_diff: float = FP8_MAX_DIFF,
+    fp8_min_shared: float = FP8_MIN_SHARED, contexts: int = 0,
 ) -> Path:
     from model_archiver.model_archiver_config import ModelArchiverConfig
     from model_archiver.model_packaging import generate_model_archive

@@ -9,7 +9,9 @@ at a time (T = 1), which is what a sync worker gets (two sync workers time-slice
 
 import argparse
 import dataclasses
+import faulthandler
 import json
+import signal
 import statistics
 import threading
 import time
@@ -72,6 +74,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--lengths", help="LO,HI tokens per text or prompt instead of the workload's (small test packages)")
     args = p.parse_args()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # where each thread is, should a call never return
     workload = WORKLOADS[args.workload]
     if args.lengths:
         workload = dataclasses.replace(workload, lengths=tuple(int(n) for n in args.lengths.split(",")))

@@ -53,7 +53,8 @@ contexts)
         [ -d "$WORK/unpacked/$name" ] || python3 -m zipfile -e "$mar" "$WORK/unpacked/$name"
         case "$name" in *score*) ws=W1 ;; *) ws="W2 W3" ;; esac
         for w in $ws; do
-            python3 -m bench.contexts --package "$WORK/unpacked/$name" --workload "$w" --contexts 4 --seconds 2 \
+            # a call that never returns gets every thread's stack (SIGUSR1), then the kill
+            timeout -s USR1 -k 15 180 python3 -m bench.contexts --package "$WORK/unpacked/$name" --workload "$w" --contexts 4 --seconds 2 \
                 --tokenizer bench/assets/tokenizer.json --out "$OUT/contexts_${w}_${name}.json"
         done
     done ;;

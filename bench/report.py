@@ -45,7 +45,8 @@ def label(r: dict) -> str:
         ["Triton top-k"] if r.get("topk") else []) + (
         [f"async, {r['contexts']} contexts"] if r.get("contexts") else []) + (
         [{"fp8-mlp": "FP8 MLP", "fp8-mlp-lmhead": "FP8 MLP + LM head"}[r["precision"]]]
-        if r.get("precision", "").startswith("fp8") else [])
+        if r.get("precision", "").startswith("fp8") else []) + (
+        ["fails the FP8 accuracy gate"] if r.get("fp8_gate_passes") is False else [])
     return f"slm ({', '.join([r['attention'], *extra])})"
 
 

@@ -10,8 +10,10 @@ Two ways to run, set in the archive's model-config.yaml (archiver --contexts):
 """
 
 import asyncio
+import faulthandler
 import logging
 import resource
+import signal
 import threading
 import time
 
@@ -43,6 +45,9 @@ class SlmHandler:
         self.scheduler = None  # async mode
 
     def initialize(self, ctx) -> None:
+        # `kill -USR1 <worker pid>` writes every thread's Python stack to the model log (a stuck
+        # worker's account: bench.run sends it to a deployment that stopped answering)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
         props = ctx.system_properties
         config = getattr(ctx, "model_yaml_config", None) or {}
         settings = config.get("handler") or {}

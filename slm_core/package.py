@@ -50,6 +50,8 @@ CHECK_TEXTS = [
     "best running shoes for flat feet under 100 dollars",
     "how do i reset my router password",
 ]
+# The FP8 accuracy gate's default thresholds against bf16 (fp8_gate; archiver --fp8-max-diff, --fp8-min-shared).
+FP8_MAX_DIFF, FP8_MIN_SHARED = 0.05, 0.6
 # The fixed evaluation set of the FP8 accuracy gate (fp8_gate): the check texts and more of the kind.
 EVAL_TEXTS = CHECK_TEXTS + [
     "wireless noise cancelling headphones with long battery life",
@@ -78,7 +80,7 @@ def versions(device: torch.device) -> dict[str, Any]:
 
 def build_package(
     ckpt: Checkpoint, task: TaskSpec, device: str, out_dir: Path, progress: Callable[[str], None] = print,
-    attention: str = "reference", topk: str = "torch", fp8_max_diff: float = 0.05, fp8_min_shared: float = 0.6,
+    attention: str = "reference", topk: str = "torch", fp8_max_diff: float = FP8_MAX_DIFF, fp8_min_shared: float = FP8_MIN_SHARED,
 ) -> dict[str, Any]:
     """Compile `task` for `device` into out_dir; returns the manifest. Raises SpecError when the
     compiled graph disagrees with the eager one, or an fp8 precision fails its accuracy gate
@@ -178,7 +180,6 @@ def fp8_gate(ckpt: Checkpoint, runtime: RuntimeSpec, quantized: Engine, max_diff
                  for x, y in zip(a, b)]
         gate.update(texts=len(samples), max_abs_diff=max(diffs), mean_abs_diff=sum(diffs) / len(diffs),
                     max_allowed=max_diff)
-        failed = gate["max_abs_diff"] > max_diff
     else:
         shares = []
         for prompt in samples[:8]:
@@ -186,11 +187,17 @@ def fp8_gate(ckpt: Checkpoint, runtime: RuntimeSpec, quantized: Engine, max_diff
             shares.append(len(want & {tuple(c["token_ids"]) for c in quantized.beam(prompt)}) / len(want))
         gate.update(prompts=len(shares), shared_candidates=sum(shares) / len(shares), worst_prompt=min(shares),
                     min_allowed=min_shared)
-        failed = gate["shared_candidates"] < min_shared
-    if failed:
+    if not gate_passes(gate, max_diff, min_shared):
         raise SpecError(f"the {quantized.task.precision} build fails its accuracy gate against bf16: {gate} "
                         "(thresholds: archiver --fp8-max-diff, --fp8-min-shared)")
     return gate
+
+
+def gate_passes(gate: dict[str, Any], max_diff: float = FP8_MAX_DIFF, min_shared: float = FP8_MIN_SHARED) -> bool:
+    """Whether fp8_gate's figures pass these thresholds (by default the archiver's)."""
+    if "max_abs_diff" in gate:
+        return gate["max_abs_diff"] <= max_diff
+    return gate["shared_candidates"] >= min_shared
 
 
 def check_compiled(eager: Engine, compiled: Engine) -> dict[str, Any]:

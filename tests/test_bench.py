@@ -158,6 +158,19 @@ def test_variants_parse_options_and_refuse_unknown_ones():
             parse_variant(bad)
 
 
+def test_fp8_archives_are_built_whatever_their_gate_says(tmp_path):
+    """The bench measures every FP8 build (its gate's figures go with each point): the archiver
+    command opens the gate's thresholds for fp8 precisions only."""
+    from bench.run import slm_build
+
+    def argv(precision):
+        return slm_build(f"m_{precision}", tmp_path / "ckpt", {"task": "beam", "precision": precision}, tmp_path,
+                         "cuda", "triton", tmp_path)
+
+    assert argv("fp8-mlp")[-4:] == ["--fp8-max-diff", "1", "--fp8-min-shared", "0"]
+    assert "--fp8-min-shared" not in argv("bf16")
+
+
 def test_report_labels_name_each_build_and_serving_option():
     base = {"system": "slm", "attention": "triton", "workers": 1, "batch": 8, "device": "NVIDIA H200"}
     assert label(base) == "slm (triton, batch 8)"
@@ -172,6 +185,8 @@ def test_report_labels_name_each_build_and_serving_option():
         "slm (triton, batch 8, graphs captured on first call)")
     assert label({"system": "hf", "workers": 4}) == "hf"
     assert label({**base, "precision": "fp8-mlp"}) == "slm (triton, batch 8, FP8 MLP)"
+    assert label({**base, "precision": "fp8-mlp-lmhead", "fp8_gate_passes": False}) == (
+        "slm (triton, batch 8, FP8 MLP + LM head, fails the FP8 accuracy gate)")
     assert label({**base, "precision": "bf16"}) == "slm (triton, batch 8)"
 
 

@@ -83,7 +83,7 @@ def test_each_precision_swaps_only_its_linears(random_checkpoint):
 def test_fp8_engines_answer_close_to_bf16_and_the_gate_measures_it(random_checkpoint):
     """The fp8 graphs run end to end (score keeps its bf16 label rows, the beam's LM head in E4M3);
     the gate records how far they are from bf16 and refuses a build past its threshold."""
-    from slm_core.package import fp8_gate
+    from slm_core.package import fp8_gate, gate_passes
     from slm_core.spec import RuntimeSpec
 
     ckpt = load_checkpoint(random_checkpoint("qwen3")[0])
@@ -96,6 +96,7 @@ def test_fp8_engines_answer_close_to_bf16_and_the_gate_measures_it(random_checkp
     assert gate["against"] == "bf16" and 0 < gate["mean_abs_diff"] <= gate["max_abs_diff"] < 0.1 and gate["texts"] >= 10
     with pytest.raises(SpecError, match="fails its accuracy gate"):
         fp8_gate(ckpt, RuntimeSpec("cpu"), fp8, max_diff=gate["max_abs_diff"] / 2, min_shared=0.5)
+    assert gate_passes(gate, max_diff=gate["max_abs_diff"]) and not gate_passes(gate, max_diff=gate["max_abs_diff"] / 2)
 
     beam = engine_for(ckpt, **BEAM, precision="fp8-mlp-lmhead")
     assert isinstance(beam.graph.model.lm_head, Fp8Linear)
@@ -103,6 +104,7 @@ def test_fp8_engines_answer_close_to_bf16_and_the_gate_measures_it(random_checkp
     assert gate["prompts"] >= 3 and 0 <= gate["worst_prompt"] <= gate["shared_candidates"] <= 1
     with pytest.raises(SpecError, match="fails its accuracy gate"):
         fp8_gate(ckpt, RuntimeSpec("cpu"), beam, max_diff=0.1, min_shared=1.01)
+    assert gate_passes(gate, min_shared=gate["shared_candidates"]) and not gate_passes(gate, min_shared=1.01)
 
 
 @pytest.mark.slow

@@ -2,8 +2,11 @@
 engine, metrics, and bad requests answered with 4xx JSON without hurting the workers."""
 
 import json
+import os
 import re
+import signal
 import threading
+import time
 
 import pytest
 
@@ -225,3 +228,12 @@ def test_async_worker_with_two_contexts_answers_refuses_and_never_hangs(server, 
     assert send(["still fine"])[0] == 200
     log = (server.workdir / "logs" / "model_log.log").read_text()
     assert "async mode, 2 request context(s)" in log
+
+    # SIGUSR1 (bench.run's account of a stuck worker): each thread's stack into the log, worker unharmed
+    (worker,) = server.workers("tiny_score_async")
+    os.kill(int(worker["pid"]), signal.SIGUSR1)
+    deadline = time.monotonic() + 10
+    while "in _serve" not in (server.workdir / "logs" / "model_log.log").read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "in _serve" in (server.workdir / "logs" / "model_log.log").read_text()  # the context threads wait there
+    assert send(["still fine"])[0] == 200
