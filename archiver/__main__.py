@@ -15,7 +15,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--model-name", required=True)
     b.add_argument("--export-path", required=True, help="directory that receives NAME.mar")
     b.add_argument("--device", default="cpu", help="cpu or cuda: where the archive will serve (build there)")
-    b.add_argument("--workers", type=int, default=1, help="TorchServe workers for this model (model-config.yaml)")
+    b.add_argument("--workers", type=int,
+                   help="TorchServe workers for this model (model-config.yaml); default: CUDA score tasks 1 and "
+                        "beam tasks 2 per GPU of --device-ids, CPU 1 (archiver.build.serving_defaults)")
     b.add_argument("--response-timeout", type=int, default=120, help="seconds before TorchServe restarts a worker")
     b.add_argument("--attention", choices=["reference", "triton"],
                    help="attention compiled into the graph: triton (CUDA only; the default there, faster at "
@@ -47,16 +49,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="CUDA builds: the GPUs this model's workers go to in turn, e.g. 0,1 (TorchServe's deviceIds; "
                         "default: every GPU of the host, in turn with the other models' workers); the queue "
                         "for --deadline-ms grows with their number")
-    b.add_argument("--contexts", type=int, default=0,
+    b.add_argument("--contexts", type=int,
                    help="request contexts per worker: 0 serves in TorchServe's sync mode (a worker takes one batch "
                         "at a time); N >= 1 in its async mode, N graph calls at once in one worker, each on its own "
-                        "CUDA stream (slm_core.scheduler; the queue then waits inside the worker)")
+                        "CUDA stream (slm_core.scheduler; the queue then waits inside the worker). Default: 2 for "
+                        "CUDA score tasks, else 0 (the faster on the H200, archiver.build.serving_defaults)")
     args = parser.parse_args(argv)
-    if args.contexts < 0:
+    if args.contexts is not None and args.contexts < 0:
         parser.error("--contexts must be 0 (sync) or a positive number of request contexts")
-    if args.contexts and args.device.startswith("cuda"):
-        parser.error("--contexts is not offered for CUDA builds yet: a worker with 3 contexts stopped answering "
-                     "under load on the H200 (bench/RESULTS.md, run 2026-11-30T170240Z); CUDA serves in sync mode")
+    if args.workers is not None and args.workers < 1:
+        parser.error("--workers must be at least 1")
     attention = args.attention or ("triton" if args.device.startswith("cuda") else "reference")
     topk = args.topk or ("triton" if args.device.startswith("cuda") else "torch")
 

@@ -65,6 +65,22 @@ def serve_async(config: dict, contexts: int) -> dict:
     return {**config, "asyncCommunication": True, "batchSize": 1, "handler": handler}
 
 
+def serving_defaults(device: str, task: TaskSpec, gpus: int = 1) -> tuple[int, int]:
+    """(workers, request contexts per worker) when the archiver is not told: what served the task
+    best on the H200 (bench/RESULTS.md, run 2026-11-30T200552Z). Score: one async worker with 2
+    contexts, 236.7 req/s at the SLO against 203.3 for two sync workers: a score call is
+    compute-bound (2 requests in one call take 1.8x one), so two calls overlapping on two streams
+    beat two processes time-slicing the GPU. Beam: two sync workers, 264.0 (W2) and 115.3 (W3)
+    req/s against 157.3 and 105.3 async: a beam call batches almost for free (2 prompts 9.1 ms, 1
+    prompt 7.6 ms, W2), and TorchServe's batching put 2.0-2.7 requests in a call where the async
+    worker's 2 contexts took them as they came (1.2-1.3). The workers per GPU, times the GPUs of
+    `--device-ids`. CPU builds (development): one sync worker."""
+    if not device.startswith("cuda"):
+        return 1, 0
+    workers, contexts = (1, 2) if task.task == "score" else (2, 0)
+    return workers * gpus, contexts
+
+
 def queue_for_deadline(deadline_ms: float, full_call_ms: float, batch: int, gpus: int = 1) -> int:
     """Requests that may wait for a worker so that the last of them still finishes within the
     deadline: each GPU serves about `batch` requests per full call whatever its worker count (its
@@ -75,15 +91,20 @@ def queue_for_deadline(deadline_ms: float, full_call_ms: float, batch: int, gpus
 
 def build(
     checkpoint: str, task_path: str, model_name: str, export_path: str, device: str = "cpu",
-    workers: int = 1, response_timeout: int = 120, attention: str = "reference", batch_delay_ms: int = 1,
+    workers: int | None = None, response_timeout: int = 120, attention: str = "reference", batch_delay_ms: int = 1,
     queue: int | None = None, cuda_graphs: bool = True, deadline_ms: float | None = None, topk: str = "torch",
     device_ids: list[int] | None = None, capture_at_load: bool = True, fp8_max_diff: float = FP8_MAX_DIFF,
-    fp8_min_shared: float = FP8_MIN_SHARED, contexts: int = 0,
+    fp8_min_shared: float = FP8_MIN_SHARED, contexts: int | None = None,
 ) -> Path:
+    """Build `model_name`.mar into export_path; workers and contexts left None take
+    serving_defaults."""
     from model_archiver.model_archiver_config import ModelArchiverConfig
     from model_archiver.model_packaging import generate_model_archive
 
     task = TaskSpec.load(task_path)
+    default_workers, default_contexts = serving_defaults(device, task, len(device_ids) if device_ids else 1)
+    workers = default_workers if workers is None else workers
+    contexts = default_contexts if contexts is None else contexts
     export = Path(export_path)
     export.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f"{model_name}-") as tmp:
@@ -108,6 +129,8 @@ def build(
         settings = model_config(device, workers, response_timeout, task.max_batch, batch_delay_ms, queue, cuda_graphs,
                                 device_ids, capture_at_load, contexts)
         config.write_text(yaml.safe_dump(settings, sort_keys=False))
+        progress(f"serving: {workers} worker(s), " + (f"async mode with {contexts} request contexts each"
+                                                     if contexts else "sync mode"))
         progress(f"writing {export / (model_name + '.mar')}")
         generate_model_archive(ModelArchiverConfig(
             model_name=model_name,

@@ -25,10 +25,10 @@ source .devbundle/setup.sh
 WORK=.bench-work
 COMMIT=${COMMIT:-unknown}
 # every slm archive the steps below use: attention:workers:batch (the workers do not need a build)
-VARIANTS=${VARIANTS:-triton:1:8}
-# the deployments measured: CUDA graphs or not (issue 6), a second worker; run 2026-11-29T134254Z
-# measured reference attention, batch 1 and batch 8 (bench/RESULTS.md)
-SLM=${SLM:-triton:1:8,triton:1:8:nographs,triton:2:8}
+VARIANTS=${VARIANTS:-triton:1:8:topk}
+# the deployments measured: the archiver's defaults (run 2026-11-30T200552Z, bench/RESULTS.md): two
+# sync workers (beam) and one async worker with 2 request contexts (score); each measured on all three
+SLM=${SLM:-triton:2:8:topk,triton:1:8:topk:ctx2}
 WORKLOADS=${WORKLOADS:-W3,W2,W1}
 PIPE=$WORK/out
 ARGS=(--device cuda --tokenizer bench/assets/tokenizer.json --work "$WORK" --commit "$COMMIT")

@@ -60,7 +60,8 @@ def random_checkpoint(arch: dict, tokenizer: Path, out: Path) -> Path:
 
 def slm_build(name: str, checkpoint: Path, task: dict, store: Path, device: str, attention: str,
               work: Path, topk: str = "torch") -> list[str] | None:
-    """The archiver command that builds `name`.mar, or None if the store already has it. FP8 builds
+    """The archiver command that builds `name`.mar, or None if the store already has it: one sync
+    worker whatever the archiver's defaults (deployments serve configured copies). FP8 builds
     are measured whatever their accuracy gate says: the gate's figures are recorded, and checked
     against the archiver's default thresholds, with each point (fp8_gate, fp8_gate_passes)."""
     if (store / f"{name}.mar").exists():
@@ -68,7 +69,8 @@ def slm_build(name: str, checkpoint: Path, task: dict, store: Path, device: str,
     (work / f"{name}.yaml").write_text(yaml.safe_dump(task))
     return [sys.executable, "-m", "archiver", "build", "--checkpoint", str(checkpoint), "--task",
             str(work / f"{name}.yaml"), "--model-name", name, "--export-path", str(store), "--device", device,
-            "--attention", attention, "--topk", topk, "--response-timeout", "600"] + (
+            "--attention", attention, "--topk", topk, "--response-timeout", "600",
+            "--workers", "1", "--contexts", "0"] + (  # one sync worker: each deployment sets its own
             ["--device-ids", "0"] if device == "cuda" else []) + (  # one GPU unless a deployment says gN
             ["--fp8-max-diff", "1", "--fp8-min-shared", "0"] if task["precision"].startswith("fp8") else [])
 

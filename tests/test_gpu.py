@@ -81,7 +81,8 @@ def test_cuda_export(random_checkpoint):
 
 def test_cuda_archive_serves_through_torchserve(random_checkpoint, tmp_path):
     """--device cuda build: manifest, load on cuda:0, equal to the eager CUDA engine; then the same
-    archive through a real TorchServe (GPU worker) answers exactly as the loaded package does."""
+    archive through a real TorchServe (GPU worker; a score task's default: one async worker with 2
+    request contexts) answers exactly as the loaded package does."""
     import json
     import zipfile
 
@@ -99,6 +100,8 @@ def test_cuda_archive_serves_through_torchserve(random_checkpoint, tmp_path):
     unpacked = tmp_path / "unpacked"
     zipfile.ZipFile(store / "gpu_score.mar").extractall(unpacked)
     manifest = json.loads((unpacked / MANIFEST).read_text())
+    config = yaml.safe_load((unpacked / "model-config.yaml").read_text())
+    assert config["asyncCommunication"] is True and config["handler"]["contexts"] == 2 and config["minWorkers"] == 1
     assert manifest["device"] == "cuda" and manifest["versions"]["capability"] == list(torch.cuda.get_device_capability())
     compiled = load_package(unpacked, gpu_id=0)
     assert compiled.device == torch.device("cuda", 0)

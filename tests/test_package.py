@@ -13,6 +13,7 @@ from conftest import BEAM_TASK, SCORE_TASK
 from handlers.slm_handler import SlmHandler
 from slm_core import Engine, SpecError
 from slm_core.package import MANIFEST, load_package
+from slm_core.spec import TaskSpec
 
 TEXTS = ["a", "search engines rank documents", "the lazy dog " * 4, "12, 345 and 6789", "x y", "beam", "fox", "z"]
 
@@ -259,18 +260,23 @@ def test_triton_kernels_are_refused_on_cpu_builds(random_checkpoint, tmp_path):
     assert not (tmp_path / "pkg").exists()
 
 
-def test_archiver_contexts_are_async_on_cpu_and_refused_on_cuda(capsys):
+def test_archiver_contexts_write_async_mode_and_defaults_follow_the_h200(capsys):
     """archiver --contexts N writes TorchServe's async mode with N request contexts (batchSize 1:
-    the worker batches), and CUDA builds refuse it until an H200 run shows it answering under load."""
+    the worker batches). Unset, workers and contexts are what served each task best on the H200:
+    score one async worker with 2 contexts, beam 2 sync workers (per GPU), CPU one sync worker."""
     from archiver.__main__ import main
-    from archiver.build import model_config
+    from archiver.build import model_config, serving_defaults
+
+    score, beam = TaskSpec.from_dict(SCORE_TASK), TaskSpec.from_dict(BEAM_TASK)
+    assert serving_defaults("cuda", score) == (1, 2) and serving_defaults("cuda", beam) == (2, 0)
+    assert serving_defaults("cuda", beam, gpus=2) == (4, 0) and serving_defaults("cuda:0", score, gpus=2) == (2, 2)
+    assert serving_defaults("cpu", score) == serving_defaults("cpu", beam) == (1, 0)
 
     config = model_config("cpu", 1, 60, batch=8, queue=20, contexts=3)
     assert config["asyncCommunication"] is True and config["batchSize"] == 1
     assert config["handler"] == {"cuda_graphs": True, "capture_at_load": True, "contexts": 3, "max_waiting": 20}
     assert "asyncCommunication" not in model_config("cpu", 1, 60, batch=8) and model_config("cpu", 1, 60, batch=8)["batchSize"] == 8
-    for argv, message in ((["--device", "cuda", "--contexts", "2"], "not offered for CUDA builds"),
-                          (["--contexts", "-1"], "must be 0")):
+    for argv, message in ((["--workers", "0"], "at least 1"), (["--contexts", "-1"], "must be 0")):
         with pytest.raises(SystemExit):
             main(["build", "--checkpoint", "x", "--task", "t.yaml", "--model-name", "m", "--export-path", "o", *argv])
         assert message in capsys.readouterr().err
