@@ -10,6 +10,8 @@
 #   bash bench/h200.sh profile # where one request's time goes, per Triton archive, CUDA graphs on/off
 #   bash bench/h200.sh contexts # graph calls at once in one process: 1-4 threads on 4 request contexts,
 #                              # per bf16 Triton archive (bench/contexts.py)
+#   bash bench/h200.sh reliability # issue 8 on the bf16 Triton archives: bad input (bench.reliability fuzz),
+#                              # 3x capacity for 60 s (overload); $SOAK seconds at 0.8x capacity if set
 #   bash bench/h200.sh start   # in the background: build beside check + kernels, then bench, then profile,
 #                              # into .bench-work/out; then follow
 #   bash bench/h200.sh follow  # wait (up to $FOLLOW s, default 560) for it; what is done comes back
@@ -18,6 +20,7 @@
 # stays warm, so each next call is just `follow`, back to back (the machine goes back when idle).
 # Needs: carry [".devbundle", "bench/assets"]; $OUT (the device tool's output folder); $COMMIT.
 # Optional: $VARIANTS, $SLM (below), $SYSTEMS (slm,hf: SYSTEMS=slm leaves the peer out), PROFILE=0, CHECK=0,
+# RELIABILITY=1 (the reliability step after the bench; SOAK=600 adds the soak),
 # $WORKLOADS (default W3,W2,W1), $BENCH_ARGS (more bench.run options for the pipeline's bench step,
 # e.g. --levels). On nvidia-h200-x2, SLM=...,triton:4:8:g2 spreads 4 workers over 2 GPUs.
 set -u
@@ -73,6 +76,18 @@ profile)
             done
         done
     done ;;
+reliability)
+    for mar in "$WORK"/model-store/slm_score_*_triton_b8.mar "$WORK"/model-store/slm_beam_*_triton_b8_topk.mar; do
+        [ -e "$mar" ] || continue
+        name=$(basename "$mar" .mar)
+        case "$name" in *score*) task=(--task score --max-items 16 --max-tokens 160) ;;
+                        *) task=(--task beam --max-tokens 512) ;; esac
+        for step in fuzz overload ${SOAK:+soak}; do
+            seconds=60; [ "$step" = soak ] && seconds=$SOAK
+            python3 -m bench.reliability "$step" --archive "$mar" "${task[@]}" --seconds "$seconds" \
+                --out "$OUT/reliability_${step}_${name}.json" > "$OUT/reliability_${step}_${name}.log" 2>&1
+        done
+    done ;;
 all)
     export OUT=$PIPE
     mkdir -p "$OUT"
@@ -82,12 +97,14 @@ all)
     [ "${CONTEXTS:-1}" = 1 ] && bash "$0" contexts > "$OUT/contexts.log" 2>&1
     bash "$0" bench ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
     [ "${PROFILE:-1}" = 1 ] && bash "$0" profile > "$OUT/profile.log" 2>&1
+    [ "${RELIABILITY:-0}" = 1 ] && bash "$0" reliability > "$OUT/reliability.log" 2>&1
     touch "$OUT/DONE" ;;
 start)
     # a warm machine keeps the last pipeline's out/: its DONE would end `follow` at once
     mkdir -p "$PIPE" && rm -f "$PIPE/DONE" && cp "$0" "$WORK/pipeline.sh"  # runs from a copy: the next call re-sends the tree
     COMMIT=$COMMIT SLM=$SLM VARIANTS=$VARIANTS WORKLOADS=$WORKLOADS SYSTEMS=${SYSTEMS:-slm,hf} \
         BENCH_ARGS=${BENCH_ARGS:-} PROFILE=${PROFILE:-1} CHECK=${CHECK:-1} CONTEXTS=${CONTEXTS:-1} \
+        RELIABILITY=${RELIABILITY:-0} SOAK=${SOAK:-} \
         setsid nohup bash "$WORK/pipeline.sh" all > "$WORK/pipeline.log" 2>&1 < /dev/null &
     sleep 5
     bash "$0" follow ;;
@@ -99,5 +116,5 @@ follow)
     for f in "$PIPE"/*.log; do echo "== $f"; tail -n 8 "$f"; done
     [ -e "$PIPE/DONE" ] && echo PIPELINE DONE || echo "PIPELINE RUNNING (follow again)" ;;
 *)
-    echo "usage: bench/h200.sh build|check|check-full|kernels|bench|profile|start|follow" >&2; exit 2 ;;
+    echo "usage: bench/h200.sh build|check|check-full|kernels|bench|profile|contexts|reliability|start|follow" >&2; exit 2 ;;
 esac

@@ -103,6 +103,11 @@ class PackedTokenizer:
         if len(text) > limit * self._longest_token:
             raise InputError(f"{where} is {len(text)} characters, more than {bound}={limit} tokens can hold",
                              bound=bound, limit=limit)
+        try:  # JSON's "\ud800" escapes decode to lone surrogates, which the tokenizer cannot take
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InputError(f"{where} is not valid Unicode: a lone surrogate \\u{ord(text[e.start]):04x} "
+                             f"at character {e.start}") from None
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

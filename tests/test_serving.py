@@ -11,6 +11,7 @@ import time
 import pytest
 
 from slm_core.package import load_package
+from slm_core.protocol import respond
 from handlers.local_server import TorchServe, http
 
 
@@ -35,6 +36,8 @@ def test_answers_equal_the_engine_and_repeat_byte_identical(server, archives):
     for row, ref in zip(answer["scores"], score_engine.score(texts)):
         assert row == pytest.approx(ref, abs=1e-6)
     assert server.predict("tiny_score", json.dumps({"texts": texts}).encode()) == (200, body)
+    # byte-identical across processes too: this test's own engine answers the same bytes (issue 8)
+    assert respond(score_engine, {"body": json.dumps({"texts": texts}).encode()}).body == body
 
     status, body = server.predict("tiny_beam", b'{"prompt": "a small language model"}')
     assert status == 200
@@ -44,6 +47,7 @@ def test_answers_equal_the_engine_and_repeat_byte_identical(server, archives):
     assert [c["text"] for c in candidates] == [c["text"] for c in ref]
     assert [c["score"] for c in candidates] == pytest.approx([c["score"] for c in ref], abs=1e-6)
     assert server.predict("tiny_beam", b'{"prompt": "a small language model"}') == (200, body)
+    assert respond(beam_engine, {"body": b'{"prompt": "a small language model"}'}).body == body
 
 
 def test_scale_to_two_workers_both_answer(server, archives):
@@ -74,6 +78,11 @@ def test_scale_to_two_workers_both_answer(server, archives):
     log = (server.workdir / "logs" / "ts_log.log").read_text()
     served = set(re.findall(r"(W-\d+-tiny_score)_1\.0 \S+ - Backend response time", log))
     assert len(served) == 2, served
+    # one request sent alone, again and again, to whichever worker is free: the same bytes each
+    # time, those of this test's own engine (issue 8: deterministic across workers)
+    body = json.dumps({"texts": requests[0]}).encode()
+    answers = {server.predict("tiny_score", body) for _ in range(12)}
+    assert answers == {(200, respond(engine, {"body": body}).body)}, answers
     # The archive batches up to 3 queued requests into one graph call (max_batch: 3), as the
     # handler's counter of requests that shared a call shows.
     text = http("GET", f"{server.metrics}/metrics")[1].decode()
@@ -107,6 +116,7 @@ BAD = [
     (b'{"texts": [' + b'1' * 5000 + b']}', "4300 digits"),  # a huge number
     (b"[1, 2, 3]", "must be a JSON object"),
     (b'{"texts": ["' + b"a" * (10 * 1024 * 1024) + b'"]}', "characters, more than max_text_tokens=64"),
+    (b'{"texts": ["ok", "lone \\ud800"]}', "texts[1] is not valid Unicode: a lone surrogate \\ud800"),
 ]
 
 
@@ -122,6 +132,123 @@ def test_bad_requests_get_4xx_json_and_hurt_nobody(server):
     assert status == 400 and "prompt must be a string" in json.loads(answer)["error"]
     assert sorted(w["pid"] for w in server.workers("tiny_score")) == pids
     assert server.predict("tiny_score", b'{"texts": ["still fine"]}')[0] == 200
+
+
+def test_a_thousand_bad_requests_among_valid_ones_hurt_nobody(server):
+    """bench.reliability (issue 8): 1,000 generated bad score requests and 300 bad beam requests
+    of every kind (invalid, truncated and empty bodies, wrong types, huge numbers, deep nesting,
+    invalid Unicode and raw control characters, blank and over-bound texts, wrong fields and
+    content types, 10 MB bodies) shuffled among valid ones with emoji, right-to-left, zero-width
+    and escaped control characters, 4 at a time: every bad one gets a 4xx JSON error, every valid
+    one the answer it gets alone, and no worker restarts."""
+    import random
+
+    from bench.reliability import bad_requests, run, valid_requests
+
+    for model, task, items, n_bad, n_valid in (("tiny_score", "score", 8, 1000, 100), ("tiny_beam", "beam", 1, 300, 50)):
+        rng = random.Random(7)
+        bad = bad_requests(task, items, 64, rng, n_bad)
+        result = run(f"{server.inference}/predictions/{model}", server.management, model, bad,
+                     valid_requests(task, items, rng, n_valid))
+        print(f"\n{model}: {json.dumps({k: v for k, v in result.items() if k != 'failures'})}")
+        assert result["failures"] == [], result["failures"][:5]
+        assert result["worker_restarts"] == 0 and result["bad"] == n_bad and len(result["kinds"]) == 13
+        assert sum(v for k, v in result["statuses"].items() if k.startswith("4")) == n_bad
+
+
+def test_broken_archives_fail_to_register_with_the_reason_logged_and_no_crash_loop(server, archives):
+    """A corrupt, a truncated and two incompatible copies of tiny_score (built for another torch
+    version, for CUDA): a synchronous registration fails within seconds, leaves no model behind
+    whose worker would restart forever, and the worker's log names the reason; the other models
+    keep serving."""
+    import zipfile
+
+    store = archives["store"]
+    source = (store / "tiny_score.mar").read_bytes()
+    (store / "broken_corrupt.mar").write_bytes(bytes(range(256)) * 400)
+    (store / "broken_truncated.mar").write_bytes(source[: len(source) // 2])
+    reasons = {"broken_corrupt": None, "broken_truncated": None,
+               "broken_torch": "package was built with torch 1.0.0", "broken_device": "package was built for cuda"}
+    for name, change in (("broken_torch", {"versions": {"torch": "1.0.0"}}), ("broken_device", {"device": "cuda"})):
+        with zipfile.ZipFile(store / "tiny_score.mar") as zin, zipfile.ZipFile(store / f"{name}.mar", "w") as zout:
+            for item in zin.infolist():
+                data = zin.read(item.filename)
+                if item.filename == "manifest.json":
+                    manifest = json.loads(data)
+                    manifest.update({k: {**manifest[k], **v} if isinstance(v, dict) else v for k, v in change.items()})
+                    data = json.dumps(manifest).encode()
+                zout.writestr(item, data)
+    for name, reason in reasons.items():
+        start = time.monotonic()
+        status, body = http("POST", f"{server.management}/models?url={name}.mar&model_name={name}"
+                                    "&initial_workers=1&synchronous=true", timeout=120)
+        assert 400 <= status < 600 and time.monotonic() - start < 60, (name, status, body)
+        assert json.loads(body)["message"], body
+        registered = [m["modelName"] for m in json.loads(http("GET", f"{server.management}/models")[1])["models"]]
+        assert name not in registered, registered  # nothing left to restart
+        if reason:
+            assert reason in (server.workdir / "logs" / "model_log.log").read_text(), name
+    assert server.predict("tiny_score", b'{"texts": ["still fine"]}')[0] == 200
+
+
+def test_a_worker_killed_under_load_comes_back_and_no_request_hangs(server, archives):
+    """kill -9 of a worker while 3 clients send requests back to back (issue 8): TorchServe starts
+    a new worker; the requests in flight end with an error or their answer, none hangs; answers
+    after the restart are the engine's again. Prints the time to recovery."""
+    import shutil
+
+    shutil.copy(archives["store"] / "tiny_score.mar", archives["store"] / "tiny_kill.mar")
+    server.register("tiny_kill.mar", name="tiny_kill")
+    url = f"{server.inference}/predictions/tiny_kill"
+    texts = ["search engines rank documents for a query", "a second text"]
+    expected = load_package(archives["tiny_score"]).score(texts)
+    results: list[tuple[float, float, int, bytes]] = []
+    stop = threading.Event()
+
+    def client():
+        while not stop.is_set():
+            sent = time.monotonic()
+            try:
+                status, body = http("POST", url, json.dumps({"texts": texts}).encode(),
+                                    {"Content-Type": "application/json"}, timeout=60)
+            except OSError as e:  # a connection TorchServe dropped counts as an error, a timeout as a hang
+                status, body = 0, repr(e).encode()
+            results.append((sent, time.monotonic(), status, body))
+
+    threads = [threading.Thread(target=client) for _ in range(3)]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(1.5)
+        (worker,) = server.workers("tiny_kill")
+        killed = time.monotonic()
+        os.kill(int(worker["pid"]), signal.SIGKILL)
+        back = None
+        while back is None and time.monotonic() - killed < 60:
+            if any(w["status"] == "READY" and w["pid"] != worker["pid"] for w in server.workers("tiny_kill")):
+                back = time.monotonic()
+            time.sleep(0.1)
+        assert back is not None, "no new worker within 60 s"
+        time.sleep(2)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(90)
+        http("DELETE", f"{server.management}/models/tiny_kill")
+    assert not any(t.is_alive() for t in threads)  # none hung
+    assert all(done - sent < 60 for sent, done, _, _ in results)
+    errors = [(status, body[:200]) for _, _, status, body in results if status != 200]
+    assert all(status == 0 or status >= 500 for status, _ in errors), errors
+    for _, _, status, body in results:
+        if status == 200:
+            for row, ref in zip(json.loads(body)["scores"], expected):
+                assert row == pytest.approx(ref, abs=1e-6)
+    after = [r for r in results if r[0] > back]
+    assert after and all(status == 200 for _, _, status, _ in after), after[:3]
+    first_ok = min(done for sent, done, status, _ in results if status == 200 and sent > killed)
+    print(f"\nkill -9 under load: {len(results)} requests, {len(errors)} errors {sorted({s for s, _ in errors})}, "
+          f"new worker READY after {back - killed:.1f} s, first answer after the kill at {first_ok - killed:.1f} s, "
+          f"slowest request {max(d - s for s, d, _, _ in results):.1f} s")
 
 
 def test_a_full_queue_refuses_at_once_and_nothing_hangs(server, archives):

@@ -1,0 +1,361 @@
+"""Bad input through REST, measured (issue 8): generated malformed and adversarial requests
+interleaved with valid ones, sent concurrently to a running TorchServe. Every bad one must get a
+4xx JSON error, every valid one its correct answer (the one it gets alone, before the run), and no
+worker may restart.
+
+    python -m bench.reliability --url http://127.0.0.1:8080/predictions/NAME --management \\
+        http://127.0.0.1:8081 --model NAME --task score --max-items 16 --max-tokens 160 --bad 1000
+
+Overload and soak (open loop: requests arrive at a fixed rate whatever the answers, as from
+many independent clients), against a running model or a private TorchServe on one archive:
+
+    python -m bench.reliability overload --archive NAME.mar --task score --seconds 60 [--capacity R]
+    python -m bench.reliability soak --archive NAME.mar --task score --seconds 600 [--capacity R]
+
+overload offers 0.8x capacity for 10 s, factor (3) x capacity for --seconds, then 0.8x for 10 s;
+soak offers 0.8x capacity for --seconds and reports each window. Both sample the workers' host
+memory (and GPU memory where nvidia-smi runs) every second. Without --capacity, it is measured
+first (bench.loadgen sweep: the highest closed-loop QPS within the SLO).
+
+tests/test_serving.py runs the bad-input part against the CPU test archives in CI.
+"""
+
+import argparse
+import asyncio
+import concurrent.futures
+import json
+import random
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from handlers.local_server import TorchServe, http
+
+JSON = "application/json"
+TEN_MB = 10 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Probe:
+    body: bytes
+    kind: str  # the category of a bad request, or "valid"
+    content_type: str = JSON
+
+
+def _field(task: str) -> str:
+    return "texts" if task == "score" else "prompt"
+
+
+def _wrap(task: str, value) -> dict:
+    return {_field(task): value}
+
+
+def valid_requests(task: str, max_items: int, rng: random.Random, n: int) -> list[Probe]:
+    """Well-formed requests within the bounds, with the text a client may legitimately send:
+    emoji, combining marks, right-to-left and zero-width characters, escaped control characters."""
+    pieces = ["cheap flights to rome", "naïve café", "日本語のテキスト", "emoji 😀🚀", "e\u0301 combining",
+              "\u202eright to left\u202c", "zero\u200bwidth", "tab\tand\nnewline", "bell \u0007 escaped",
+              "quote \" and backslash \\", "BOM \ufeff inside", "١٢٣ digits"]
+    out = []
+    for _ in range(n):
+        if task == "score":
+            value = [" ".join(rng.sample(pieces, 2)) for _ in range(rng.randint(1, max_items))]
+        else:
+            value = " ".join(rng.sample(pieces, 3))
+        out.append(Probe(json.dumps(_wrap(task, value), ensure_ascii=rng.random() < 0.5).encode(), "valid"))
+    return out
+
+
+def bad_requests(task: str, max_items: int, max_tokens: int, rng: random.Random, n: int,
+                 ten_mb: int = 4) -> list[Probe]:
+    """`n` requests that must each get a 4xx JSON error, drawn from every category below (`ten_mb`
+    of them 10 MB bodies). For a score task "items" are texts, for beam the prompt."""
+    field, other = _field(task), "prompt" if task == "score" else "texts"
+    good = ["a valid text"] if task == "score" else "a valid prompt"
+    good_body = json.dumps(_wrap(task, good)).encode()
+    long_text = "word " * (max_tokens * 2)
+
+    def item(value):  # the value in the request's field: a list of one for score, itself for beam
+        return _wrap(task, [value] if task == "score" else value)
+
+    makers = {
+        "invalid JSON": lambda: rng.choice([b"not json", b"{", b"}", b"{'texts': ['a']}", b'{"texts": ["a"]} trailing',
+                                            b'{"texts": ["a",]}', b"nul\x00l", b"NaN", b"[1, 2", b'{"a" 1}']),
+        "truncated body": lambda: good_body[: rng.randint(1, len(good_body) - 1)],
+        "empty body": lambda: rng.choice([b"", b" ", b"\n", b"{}", b"null", b'""', b"[]"]),
+        "wrong type": lambda: json.dumps(_wrap(task, rng.choice(
+            [1, 1.5, None, True, {"a": 1}, [1, 2], [None], [["nested"]], [{"a": "b"}], "a" if task == "score" else ["a"]]
+        ))).encode(),
+        "huge number": lambda: rng.choice([
+            b'{"%s": 1e400}' % field.encode(), b'{"%s": [%s]}' % (field.encode(), b"9" * rng.randint(5000, 50000)),
+            b'{"%s": -1e999}' % field.encode(), b'{"%s": 123456789012345678901234567890}' % field.encode()]),
+        "deep nesting": lambda: rng.choice([
+            b"[" * 100_000 + b"]" * 100_000,
+            b'{"%s": ' % field.encode() + b"[" * 5000 + b"]" * 5000 + b"}",
+            b'{"a": ' * 20_000 + b"1" + b"}" * 20_000]),
+        "invalid unicode": lambda: rng.choice([
+            b'{"%s": ["\xff\xfe"]}' % field.encode(), b'{"%s": "\xc0\xaf"}' % field.encode(),
+            b"\xef\xbb\xbf" + good_body,  # a UTF-8 byte order mark before the JSON
+            json.dumps(item("lone \ud800 surrogate")).encode(),
+            json.dumps(item("\udfff")).encode(), b'{"%s": "\xed\xa0\x80"}' % field.encode()]),
+        "raw control character": lambda: b'{"%s": ["a\x01b"]}' % field.encode() if task == "score"
+        else b'{"prompt": "a\x01b"}',
+        "empty or blank text": lambda: json.dumps(item(rng.choice(["", " ", "\t\n", "\u3000"]))).encode(),
+        "over the bounds": lambda: json.dumps(rng.choice([
+            item(long_text), _wrap(task, ["x"] * (max_items + 1) if task == "score" else long_text * 3),
+            _wrap(task, [] if task == "score" else "")])).encode(),
+        "wrong fields": lambda: json.dumps(rng.choice([
+            {other: good}, {field: good, "extra": 1}, {}, {"x" * 1000: 1}, [good], good])).encode(),
+        "wrong content type": lambda: b"texts=hello",
+    }
+    kinds = sorted(makers)
+    out = [Probe(b'{"%s": ["' % field.encode() + b"a" * TEN_MB + b'"]}', "10 MB body") for _ in range(ten_mb // 2)]
+    out += [Probe(b"[" * TEN_MB, "10 MB body") for _ in range(ten_mb - ten_mb // 2)]
+    while len(out) < n:
+        kind = kinds[len(out) % len(kinds)]
+        body = makers[kind]()
+        out.append(Probe(body, kind, "application/x-www-form-urlencoded" if kind == "wrong content type" else JSON))
+    return out
+
+
+def same_answer(a: dict, b: dict, tol: float = 1e-5) -> bool:
+    """Score rows within tol; beam candidates with the same token ids in the same order, scores within tol."""
+    if "scores" in a:
+        return a["labels"] == b.get("labels") and len(a["scores"]) == len(b.get("scores", [])) and all(
+            abs(x - y) <= tol for r, s in zip(a["scores"], b["scores"]) for x, y in zip(r, s))
+    ca, cb = a["candidates"], b.get("candidates", [])
+    return [c["token_ids"] for c in ca] == [c["token_ids"] for c in cb] and all(
+        abs(x["score"] - y["score"]) <= tol for x, y in zip(ca, cb))
+
+
+def run(url: str, management: str, model: str, bad: list[Probe], valid: list[Probe], threads: int = 4,
+        timeout: float = 60.0) -> dict:
+    """Send `valid` alone first (their reference answers), then all of bad + valid shuffled together
+    from `threads` threads. Returns the figures and every failure found."""
+    pids = sorted(w["pid"] for w in json.loads(http("GET", f"{management}/models/{model}")[1])[0]["workers"])
+    reference = {}
+    for p in valid:
+        status, body = http("POST", url, p.body, {"Content-Type": JSON}, timeout=timeout)
+        if status != 200:
+            raise RuntimeError(f"a valid request alone got {status}: {body[:200]!r}")
+        reference[p.body] = json.loads(body)
+    probes = bad + valid
+    random.Random(0).shuffle(probes)
+
+    def send(p: Probe):
+        start = time.perf_counter()
+        try:
+            status, body = http("POST", url, p.body, {"Content-Type": p.content_type}, timeout=timeout)
+        except OSError as e:  # a timeout or a dropped connection: counted as a failure
+            status, body = 0, repr(e).encode()
+        return p, status, body, (time.perf_counter() - start) * 1e3
+
+    failures, statuses, slowest = [], Counter(), 0.0
+    begin = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        for p, status, body, ms in pool.map(send, probes):
+            statuses[status] += 1
+            try:
+                answer = json.loads(body)
+            except ValueError:
+                answer = None
+            if p.kind == "valid":
+                ok = status == 200 and isinstance(answer, dict) and same_answer(reference[p.body], answer)
+            else:
+                slowest = max(slowest, ms)
+                # ours: {"error": ...}; TorchServe's own: {"code", "type", "message"}; its 413 is bare
+                ok = status == 413 or (400 <= status < 500 and isinstance(answer, dict)
+                                        and ("error" in answer or "message" in answer))
+            if not ok:
+                failures.append({"kind": p.kind, "status": status, "body": p.body[:120].decode("utf-8", "replace"),
+                                 "answer": body[:300].decode("utf-8", "replace")})
+    after = sorted(w["pid"] for w in json.loads(http("GET", f"{management}/models/{model}")[1])[0]["workers"])
+    return {"bad": len(bad), "valid": len(valid), "kinds": dict(Counter(p.kind for p in bad)),
+            "statuses": {str(k): v for k, v in sorted(statuses.items())}, "seconds": time.perf_counter() - begin,
+            "slowest_bad_ms": slowest, "worker_restarts": int(after != pids), "failures": failures}
+
+
+def open_loop(url: str, bodies: list[bytes], rate: float, seconds: float, timeout: float = 30.0
+              ) -> list[tuple[float, float, int]]:
+    """Requests at `rate` per second for `seconds`, each sent on schedule whatever the others are
+    doing (open loop; no client-side limit on connections). Per request: (sent, seconds from the
+    start; latency ms; status, 0 for a timeout or a broken connection)."""
+    import aiohttp
+
+    async def go():
+        out: list[tuple[float, float, int]] = []
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+            async def one(i: int, at: float):
+                sent = time.perf_counter()
+                try:
+                    async with session.post(url, data=bodies[i % len(bodies)], headers={"Content-Type": JSON}) as r:
+                        await r.read()
+                        status = r.status
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    status = 0
+                out.append((at, (time.perf_counter() - sent) * 1e3, status))
+
+            start, tasks, i = time.perf_counter(), [], 0
+            while (at := i / rate) < seconds:
+                delay = start + at - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.ensure_future(one(i, at)))
+                i += 1
+            await asyncio.gather(*tasks)
+        return out
+
+    return asyncio.run(go())
+
+
+class Memory:
+    """Samples, every second in a thread, the host RSS (MiB) of a model's workers and, where
+    nvidia-smi runs, the GPU memory they use (MiB): series of (seconds since start, rss, gpu)."""
+
+    def __init__(self, management: str, model: str):
+        self.management, self.model = management, model
+        self.samples: list[tuple[float, float, float | None]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            pids = [str(w["pid"]) for w in json.loads(http("GET", f"{self.management}/models/{self.model}")[1])[0]["workers"]]
+            rss = 0.0
+            for pid in pids:
+                try:
+                    status = Path(f"/proc/{pid}/status").read_text()
+                    rss += int(next(l for l in status.splitlines() if l.startswith("VmRSS")).split()[1]) / 1024
+                except (OSError, StopIteration):
+                    pass
+            self.samples.append((time.perf_counter() - self.start, rss, _gpu_mib(pids)))
+
+    def between(self, t0: float, t1: float) -> dict:
+        window = [s for s in self.samples if t0 <= s[0] <= t1]
+        if not window:
+            return {}
+        out = {"rss_mib_first": window[0][1], "rss_mib_last": window[-1][1], "rss_mib_max": max(s[1] for s in window)}
+        if window[0][2] is not None:
+            out.update(gpu_mib_first=window[0][2], gpu_mib_last=window[-1][2])
+        return out
+
+
+def _gpu_mib(pids: list[str]) -> float | None:
+    try:
+        text = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return sum(float(m) for p, m in (line.split(",") for line in text.strip().splitlines() if "," in line)
+               if p.strip() in pids)
+
+
+def summary(records: list[tuple[float, float, int]], seconds: float) -> dict:
+    """Offered and answered rates, admitted (200) latency, refused (429/503) latency, the rest."""
+    ok = sorted(ms for _, ms, s in records if s == 200)
+    refused = sorted(ms for _, ms, s in records if s in (429, 503))
+
+    def pct(values, q):
+        return values[min(len(values) - 1, int(q / 100 * len(values)))] if values else None
+
+    return {"offered_per_s": len(records) / seconds, "answered_per_s": len(ok) / seconds,
+            "admitted_mean_ms": statistics.fmean(ok) if ok else None, "admitted_p50_ms": pct(ok, 50),
+            "admitted_p99_ms": pct(ok, 99), "refused": len(refused), "refused_p50_ms": pct(refused, 50),
+            "refused_p99_ms": pct(refused, 99), "refused_max_ms": refused[-1] if refused else None,
+            "other_statuses": dict(Counter(str(s) for _, _, s in records if s not in (200, 429, 503)))}
+
+
+def overload(url: str, management: str, model: str, bodies: list[bytes], capacity: float, seconds: float,
+             factor: float = 3.0) -> dict:
+    """0.8x capacity for 10 s, factor x capacity for `seconds`, 0.8x again for 10 s (recovery:
+    also per second), with the workers' memory over each phase."""
+    phases = [("before", 0.8, 10.0), ("burst", factor, seconds), ("after", 0.8, 10.0)]
+    result: dict = {"capacity": capacity, "factor": factor}
+    with Memory(management, model) as memory:
+        for name, x, secs in phases:
+            t0 = time.perf_counter() - memory.start
+            records = open_loop(url, bodies, x * capacity, secs)
+            result[name] = {**summary(records, secs), **memory.between(t0, time.perf_counter() - memory.start)}
+            if name == "after":
+                result[name]["p99_ms_per_second"] = [summary([r for r in records if k <= r[0] < k + 1], 1)["admitted_p99_ms"]
+                                                      for k in range(int(secs))]
+    return result
+
+
+def soak(url: str, management: str, model: str, bodies: list[bytes], capacity: float, seconds: float,
+         window: float = 60.0) -> dict:
+    """0.8x capacity for `seconds`, reported per window of `window` seconds: latency and memory."""
+    with Memory(management, model) as memory:
+        records = open_loop(url, bodies, 0.8 * capacity, seconds)
+    windows = [{"from_s": k * window, **summary([r for r in records if k * window <= r[0] < (k + 1) * window], window),
+                **memory.between(k * window, (k + 1) * window)} for k in range(int(seconds // window))]
+    return {"capacity": capacity, "rate": 0.8 * capacity, "seconds": seconds, "windows": windows}
+
+
+def measured_capacity(url: str, bodies: list[bytes]) -> float:
+    from bench.loadgen import sweep
+
+    points = sweep(url, bodies, [1, 2, 3, 4, 6, 8], warmup=1.0, duration=3.0)
+    return max((p.qps for p in points if p.meets_slo()), default=0.0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("step", choices=["fuzz", "overload", "soak"])
+    p.add_argument("--url", help="the model's predictions URL (a running TorchServe)")
+    p.add_argument("--management", help="TorchServe's management address")
+    p.add_argument("--model")
+    p.add_argument("--archive", type=Path, help="instead of --url: serve this .mar on a private TorchServe")
+    p.add_argument("--task", choices=["score", "beam"], required=True)
+    p.add_argument("--max-items", type=int, default=16, help="the task's max_texts (score)")
+    p.add_argument("--max-tokens", type=int, default=160, help="the task's max_text_tokens / max_prompt_tokens")
+    p.add_argument("--bad", type=int, default=1000)
+    p.add_argument("--valid", type=int, default=200)
+    p.add_argument("--threads", type=int, default=4)
+    p.add_argument("--capacity", type=float, help="req/s at the SLO (default: measured first)")
+    p.add_argument("--seconds", type=float, default=60.0)
+    p.add_argument("--out", type=Path, help="also write the JSON result here")
+    args = p.parse_args()
+    server = None
+    if args.archive:
+        server = TorchServe(Path(tempfile.mkdtemp(prefix="reliability-")), args.archive.parent).start()
+        args.model = args.archive.stem
+        server.register(args.archive.name, name=args.model)
+        args.url, args.management = f"{server.inference}/predictions/{args.model}", server.management
+    try:
+        rng = random.Random(1)
+        valid = valid_requests(args.task, args.max_items, rng, args.valid)
+        if args.step == "fuzz":
+            result = run(args.url, args.management, args.model,
+                         bad_requests(args.task, args.max_items, args.max_tokens, rng, args.bad), valid, args.threads)
+        else:
+            bodies = [v.body for v in valid]
+            capacity = args.capacity or measured_capacity(args.url, bodies)
+            step = overload if args.step == "overload" else soak
+            result = step(args.url, args.management, args.model, bodies, capacity, args.seconds)
+    finally:
+        if server:
+            server.stop()
+    text = json.dumps(result, indent=1, ensure_ascii=False)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
