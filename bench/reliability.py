@@ -34,6 +34,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.loadgen import percentile
 from handlers.local_server import TorchServe, http
 
 JSON = "application/json"
@@ -271,7 +272,7 @@ def summary(records: list[tuple[float, float, int]], seconds: float) -> dict:
     refused = sorted(ms for _, ms, s in records if s in (429, 503))
 
     def pct(values, q):
-        return values[min(len(values) - 1, int(q / 100 * len(values)))] if values else None
+        return percentile(values, q) if values else None
 
     return {"offered_per_s": len(records) / seconds, "answered_per_s": len(ok) / seconds,
             "admitted_mean_ms": statistics.fmean(ok) if ok else None, "admitted_p50_ms": pct(ok, 50),
@@ -281,10 +282,10 @@ def summary(records: list[tuple[float, float, int]], seconds: float) -> dict:
 
 
 def overload(url: str, management: str, model: str, bodies: list[bytes], capacity: float, seconds: float,
-             factor: float = 3.0) -> dict:
-    """0.8x capacity for 10 s, factor x capacity for `seconds`, 0.8x again for 10 s (recovery:
-    also per second), with the workers' memory over each phase."""
-    phases = [("before", 0.8, 10.0), ("burst", factor, seconds), ("after", 0.8, 10.0)]
+             factor: float = 3.0, settle: float = 10.0) -> dict:
+    """0.8x capacity for `settle` s, factor x capacity for `seconds`, 0.8x again for `settle` s
+    (recovery: also per second), with the workers' memory over each phase."""
+    phases = [("before", 0.8, settle), ("burst", factor, seconds), ("after", 0.8, settle)]
     result: dict = {"capacity": capacity, "factor": factor}
     with Memory(management, model) as memory:
         for name, x, secs in phases:

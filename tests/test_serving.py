@@ -251,6 +251,28 @@ def test_a_worker_killed_under_load_comes_back_and_no_request_hangs(server, arch
           f"slowest request {max(d - s for s, d, _, _ in results):.1f} s")
 
 
+def test_overload_and_soak_short_versions(server):
+    """bench.reliability's overload (open loop: 0.8x, 3x, 0.8x an assumed capacity of 30 req/s)
+    and soak, a few seconds each: every request ends, with its answer or a 503, none hangs or fails
+    otherwise; after the burst everything offered is answered again; the workers' memory is sampled."""
+    import random
+
+    from bench.reliability import overload, soak, valid_requests
+
+    url = f"{server.inference}/predictions/tiny_score"
+    bodies = [p.body for p in valid_requests("score", 8, random.Random(3), 20)]
+    result = overload(url, server.management, "tiny_score", bodies, capacity=30, seconds=3, settle=2)
+    print(f"\noverload, short: {json.dumps(result)}")
+    for phase in ("before", "burst", "after"):
+        assert result[phase]["other_statuses"] == {}, result[phase]
+        assert result[phase]["rss_mib_last"] > 0
+    assert result["burst"]["offered_per_s"] == pytest.approx(90, rel=0.05)
+    assert result["after"]["answered_per_s"] == pytest.approx(result["after"]["offered_per_s"], rel=0.1)
+    result = soak(url, server.management, "tiny_score", bodies, capacity=30, seconds=4, window=2)
+    assert [w["from_s"] for w in result["windows"]] == [0, 2]
+    assert all(w["other_statuses"] == {} and w["answered_per_s"] > 0 for w in result["windows"]), result
+
+
 def test_a_full_queue_refuses_at_once_and_nothing_hangs(server, archives):
     """tiny_score lets 30 requests wait for a worker (archiver --queue 30): the management API
     shows that bound, and under a burst far above it every request ends with a correct 200 or
