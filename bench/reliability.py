@@ -124,6 +124,11 @@ def bad_requests(task: str, max_items: int, max_tokens: int, rng: random.Random,
     return out
 
 
+def worker_pids(management: str, model: str) -> list[str]:
+    """The process ids of a model's workers, sorted (TorchServe's describe-model API)."""
+    return sorted(str(w["pid"]) for w in json.loads(http("GET", f"{management}/models/{model}")[1])[0]["workers"])
+
+
 def same_answer(a: dict, b: dict, tol: float = 1e-5) -> bool:
     """Score rows within tol; beam candidates with the same token ids in the same order, scores within tol."""
     if "scores" in a:
@@ -138,7 +143,7 @@ def run(url: str, management: str, model: str, bad: list[Probe], valid: list[Pro
         timeout: float = 60.0) -> dict:
     """Send `valid` alone first (their reference answers), then all of bad + valid shuffled together
     from `threads` threads. Returns the figures and every failure found."""
-    pids = sorted(w["pid"] for w in json.loads(http("GET", f"{management}/models/{model}")[1])[0]["workers"])
+    pids = worker_pids(management, model)
     reference = {}
     for p in valid:
         status, body = http("POST", url, p.body, {"Content-Type": JSON}, timeout=timeout)
@@ -175,7 +180,7 @@ def run(url: str, management: str, model: str, bad: list[Probe], valid: list[Pro
             if not ok:
                 failures.append({"kind": p.kind, "status": status, "body": p.body[:120].decode("utf-8", "replace"),
                                  "answer": body[:300].decode("utf-8", "replace")})
-    after = sorted(w["pid"] for w in json.loads(http("GET", f"{management}/models/{model}")[1])[0]["workers"])
+    after = worker_pids(management, model)
     return {"bad": len(bad), "valid": len(valid), "kinds": dict(Counter(p.kind for p in bad)),
             "statuses": {str(k): v for k, v in sorted(statuses.items())}, "seconds": time.perf_counter() - begin,
             "slowest_bad_ms": slowest, "worker_restarts": int(after != pids), "failures": failures}
@@ -236,7 +241,7 @@ class Memory:
 
     def _run(self) -> None:
         while not self._stop.wait(1.0):
-            pids = [str(w["pid"]) for w in json.loads(http("GET", f"{self.management}/models/{self.model}")[1])[0]["workers"]]
+            pids = worker_pids(self.management, self.model)
             rss = 0.0
             for pid in pids:
                 try:

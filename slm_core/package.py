@@ -80,7 +80,8 @@ def versions(device: torch.device) -> dict[str, Any]:
 
 def build_package(
     ckpt: Checkpoint, task: TaskSpec, device: str, out_dir: Path, progress: Callable[[str], None] = print,
-    attention: str = "reference", topk: str = "torch", fp8_max_diff: float = FP8_MAX_DIFF, fp8_min_shared: float = FP8_MIN_SHARED,
+    attention: str = "reference", topk: str = "torch", fp8_max_diff: float = FP8_MAX_DIFF,
+    fp8_min_shared: float = FP8_MIN_SHARED,
 ) -> dict[str, Any]:
     """Compile `task` for `device` into out_dir; returns the manifest. Raises SpecError when the
     compiled graph disagrees with the eager one, or an fp8 precision fails its accuracy gate

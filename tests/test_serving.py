@@ -15,6 +15,16 @@ from slm_core.protocol import respond
 from handlers.local_server import TorchServe, http
 
 
+def copy_archive(src, dst, member: str, edit) -> None:
+    """A copy of the archive src at dst, with edit(bytes) -> bytes applied to one member."""
+    import zipfile
+
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
+        for item in zin.infolist():
+            data = zin.read(item.filename)
+            zout.writestr(item, edit(data) if item.filename == member else data)
+
+
 @pytest.fixture(scope="module")
 def server(archives, tmp_path_factory):
     ts = TorchServe(tmp_path_factory.mktemp("torchserve"), archives["store"]).start()
@@ -161,8 +171,6 @@ def test_broken_archives_fail_to_register_with_the_reason_logged_and_no_crash_lo
     version, for CUDA): a synchronous registration fails within seconds, leaves no model behind
     whose worker would restart forever, and the worker's log names the reason; the other models
     keep serving."""
-    import zipfile
-
     store = archives["store"]
     source = (store / "tiny_score.mar").read_bytes()
     (store / "broken_corrupt.mar").write_bytes(bytes(range(256)) * 400)
@@ -170,14 +178,12 @@ def test_broken_archives_fail_to_register_with_the_reason_logged_and_no_crash_lo
     reasons = {"broken_corrupt": None, "broken_truncated": None,
                "broken_torch": "package was built with torch 1.0.0", "broken_device": "package was built for cuda"}
     for name, change in (("broken_torch", {"versions": {"torch": "1.0.0"}}), ("broken_device", {"device": "cuda"})):
-        with zipfile.ZipFile(store / "tiny_score.mar") as zin, zipfile.ZipFile(store / f"{name}.mar", "w") as zout:
-            for item in zin.infolist():
-                data = zin.read(item.filename)
-                if item.filename == "manifest.json":
-                    manifest = json.loads(data)
-                    manifest.update({k: {**manifest[k], **v} if isinstance(v, dict) else v for k, v in change.items()})
-                    data = json.dumps(manifest).encode()
-                zout.writestr(item, data)
+        def edit(data: bytes, change=change) -> bytes:
+            manifest = json.loads(data)
+            manifest.update({k: {**manifest[k], **v} if isinstance(v, dict) else v for k, v in change.items()})
+            return json.dumps(manifest).encode()
+
+        copy_archive(store / "tiny_score.mar", store / f"{name}.mar", "manifest.json", edit)
     for name, reason in reasons.items():
         start = time.monotonic()
         status, body = http("POST", f"{server.management}/models?url={name}.mar&model_name={name}"
@@ -309,22 +315,19 @@ def test_async_worker_with_two_contexts_answers_refuses_and_never_hangs(server, 
     engine's answers, with their headers; bad ones their own 400 JSON; a burst far above the
     bound gets correct answers or an immediate 503 JSON, none hangs; and the worker still answers."""
     import urllib.request
-    import zipfile
 
     import yaml
 
-    async_mar = archives["store"] / "tiny_score_async.mar"
-    with zipfile.ZipFile(archives["store"] / "tiny_score.mar") as zin, zipfile.ZipFile(async_mar, "w") as zout:
-        for item in zin.infolist():
-            data = zin.read(item.filename)
-            if item.filename == "model-config.yaml":
-                config = yaml.safe_load(data)
-                assert "asyncCommunication" not in config  # the default is sync
-                config["asyncCommunication"] = True
-                config["handler"].update(contexts=2, max_waiting=4)
-                config["batchSize"] = 1
-                data = yaml.safe_dump(config).encode()
-            zout.writestr(item, data)
+    def edit(data: bytes) -> bytes:
+        config = yaml.safe_load(data)
+        assert "asyncCommunication" not in config  # the default is sync
+        config["asyncCommunication"] = True
+        config["handler"].update(contexts=2, max_waiting=4)
+        config["batchSize"] = 1
+        return yaml.safe_dump(config).encode()
+
+    copy_archive(archives["store"] / "tiny_score.mar", archives["store"] / "tiny_score_async.mar",
+                 "model-config.yaml", edit)
     server.register("tiny_score_async.mar", name="tiny_score_async")
     engine = load_package(archives["tiny_score"])
     url = f"{server.inference}/predictions/tiny_score_async"
