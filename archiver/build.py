@@ -28,7 +28,7 @@ def progress(message: str) -> None:
 
 def model_config(device: str, workers: int, response_timeout: int, batch: int = 1, batch_delay_ms: int = 1,
                  queue: int = 100, cuda_graphs: bool = True, device_ids: list[int] | None = None,
-                 capture_at_load: bool = True, contexts: int = 0) -> dict:
+                 capture_at_load: bool = True, contexts: int = 0, overlap: bool = True) -> dict:
     """TorchServe's per-model settings (model-config.yaml). A worker takes up to `batch` queued
     requests at once and waits at most `batch_delay_ms` for more: with 1 ms, what is queued goes
     at once (TorchServe 0.12 stops collecting after one extra request when the delay is 0). At
@@ -40,7 +40,8 @@ def model_config(device: str, workers: int, response_timeout: int, batch: int = 
     async mode with that many request contexts (slm_core.scheduler), and `queue` bounds the
     requests waiting inside it (TorchServe's own queue never fills in that mode); TorchServe then
     hands requests over one at a time (its 0.12 async batching breaks on a second request, FACTS.md)
-    and the worker batches them itself. A worker has 10
+    and the worker batches them itself (overlap=False: its calls take turns on the GPU, each taking
+    what queued during the previous one, slm_core.scheduler). A worker has 10
     minutes to load (TorchServe's default of 2 is near a CUDA worker's captures at load)."""
     config = {
         "minWorkers": workers,
@@ -54,14 +55,16 @@ def model_config(device: str, workers: int, response_timeout: int, batch: int = 
         **({"deviceIds": list(device_ids)} if device_ids and device.startswith("cuda") else {}),
         "handler": {"cuda_graphs": cuda_graphs, "capture_at_load": cuda_graphs and capture_at_load},
     }
-    return serve_async(config, contexts) if contexts else config
+    return serve_async(config, contexts, overlap) if contexts else config
 
 
-def serve_async(config: dict, contexts: int) -> dict:
+def serve_async(config: dict, contexts: int, overlap: bool = True) -> dict:
     """A model-config in TorchServe's async mode with `contexts` request contexts per worker: one
     request at a time from TorchServe (batchSize 1; the worker batches), and its jobQueueSize as
-    the bound of requests waiting inside the worker."""
-    handler = {**(config.get("handler") or {}), "contexts": contexts, "max_waiting": config["jobQueueSize"]}
+    the bound of requests waiting inside the worker. overlap=False: the contexts' calls take turns
+    on the GPU (slm_core.engine.Engine.turn)."""
+    handler = {**(config.get("handler") or {}), "contexts": contexts, "max_waiting": config["jobQueueSize"],
+               "overlap": overlap}
     return {**config, "asyncCommunication": True, "batchSize": 1, "handler": handler}
 
 
@@ -94,7 +97,7 @@ def build(
     workers: int | None = None, response_timeout: int = 120, attention: str = "reference", batch_delay_ms: int = 1,
     queue: int | None = None, cuda_graphs: bool = True, deadline_ms: float | None = None, topk: str = "torch",
     device_ids: list[int] | None = None, capture_at_load: bool = True, fp8_max_diff: float = FP8_MAX_DIFF,
-    fp8_min_shared: float = FP8_MIN_SHARED, contexts: int | None = None,
+    fp8_min_shared: float = FP8_MIN_SHARED, contexts: int | None = None, overlap: bool = True,
 ) -> Path:
     """Build `model_name`.mar into export_path; workers and contexts left None take
     serving_defaults."""
@@ -127,9 +130,10 @@ def build(
             shutil.copytree(src, stage / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         config = Path(tmp) / "model-config.yaml"
         settings = model_config(device, workers, response_timeout, task.max_batch, batch_delay_ms, queue, cuda_graphs,
-                                device_ids, capture_at_load, contexts)
+                                device_ids, capture_at_load, contexts, overlap)
         config.write_text(yaml.safe_dump(settings, sort_keys=False))
         progress(f"serving: {workers} worker(s), " + (f"async mode with {contexts} request contexts each"
+                                                     + ("" if overlap else ", calls taking turns on the GPU")
                                                      if contexts else "sync mode"))
         progress(f"writing {export / (model_name + '.mar')}")
         generate_model_archive(ModelArchiverConfig(

@@ -77,16 +77,19 @@ profile)
         done
     done ;;
 reliability)
-    for mar in "$WORK"/model-store/slm_score_*_triton_b8.mar "$WORK"/model-store/slm_beam_*_triton_b8_topk.mar; do
-        [ -e "$mar" ] || continue
-        name=$(basename "$mar" .mar)
+    # served as the archiver's defaults serve them: score by one async worker with 2 request contexts
+    # (the bench step's _ctx2 copy), beam by 2 sync workers; overload with the workload's own requests
+    for spec in "slm_score_qwen3_triton_b8_ctx2:1:W1" "slm_beam_qwen25_triton_b8_topk:2:W2"; do
+        IFS=: read -r name workers workload <<< "$spec"
+        mar="$WORK/model-store/$name.mar"
+        [ -e "$mar" ] || { echo "no $mar"; continue; }
         case "$name" in *score*) task=(--task score --max-items 16 --max-tokens 160) ;;
                         *) task=(--task beam --max-tokens 512) ;; esac
-        for step in fuzz overload ${SOAK:+soak}; do
-            seconds=60; [ "$step" = soak ] && seconds=$SOAK
-            python3 -m bench.reliability "$step" --archive "$mar" "${task[@]}" --seconds "$seconds" \
-                --out "$OUT/reliability_${step}_${name}.json" > "$OUT/reliability_${step}_${name}.log" 2>&1
-        done
+        common=(--archive "$mar" --workers "$workers" "${task[@]}" --workload "$workload" --tokenizer bench/assets/tokenizer.json)
+        python3 -m bench.reliability fuzz,overload "${common[@]}" --seconds 60 \
+            --out "$OUT/reliability_${name}.json" > "$OUT/reliability_${name}.log" 2>&1
+        [ -n "${SOAK:-}" ] && python3 -m bench.reliability soak "${common[@]}" --seconds "$SOAK" \
+            --out "$OUT/reliability_soak_${name}.json" > "$OUT/reliability_soak_${name}.log" 2>&1
     done ;;
 all)
     export OUT=$PIPE

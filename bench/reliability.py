@@ -11,6 +11,12 @@ many independent clients), against a running model or a private TorchServe on on
 
     python -m bench.reliability overload --archive NAME.mar --task score --seconds 60 [--capacity R]
     python -m bench.reliability soak --archive NAME.mar --task score --seconds 600 [--capacity R]
+    python -m bench.reliability fuzz,overload --archive NAME.mar --workers 2 --task beam --max-tokens 512 \
+        --workload W2 --tokenizer bench/assets/tokenizer.json   # the H200: W2's requests, 2 workers
+
+Several steps, comma-separated, run on one server one after the other (--out then holds
+{step: result}). --workload W1|W2|W3 makes overload's and soak's valid requests that
+workload's (bench.workloads) instead of the short multilingual ones.
 
 overload offers 0.8x capacity for 10 s, factor (3) x capacity for --seconds, then 0.8x for 10 s;
 soak offers 0.8x capacity for --seconds and reports each window. Both sample the workers' host
@@ -322,11 +328,14 @@ def measured_capacity(url: str, bodies: list[bytes]) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("step", choices=["fuzz", "overload", "soak"])
+    p.add_argument("steps", help="fuzz, overload or soak; several comma-separated run one after the other")
     p.add_argument("--url", help="the model's predictions URL (a running TorchServe)")
     p.add_argument("--management", help="TorchServe's management address")
     p.add_argument("--model")
     p.add_argument("--archive", type=Path, help="instead of --url: serve this .mar on a private TorchServe")
+    p.add_argument("--workers", type=int, default=1, help="with --archive: its workers")
+    p.add_argument("--workload", choices=["W1", "W2", "W3"], help="overload/soak: that workload's requests")
+    p.add_argument("--tokenizer", type=Path, help="with --workload: the tokenizer its texts are made for")
     p.add_argument("--task", choices=["score", "beam"], required=True)
     p.add_argument("--max-items", type=int, default=16, help="the task's max_texts (score)")
     p.add_argument("--max-tokens", type=int, default=160, help="the task's max_text_tokens / max_prompt_tokens")
@@ -337,26 +346,44 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=60.0)
     p.add_argument("--out", type=Path, help="also write the JSON result here")
     args = p.parse_args()
+    steps = args.steps.split(",")
+    if not steps or not set(steps) <= {"fuzz", "overload", "soak"}:
+        p.error(f"steps {args.steps!r}: each one of fuzz, overload, soak")
+    if args.workload and not args.tokenizer:
+        p.error("--workload needs --tokenizer")
     server = None
     if args.archive:
         server = TorchServe(Path(tempfile.mkdtemp(prefix="reliability-")), args.archive.parent).start()
         args.model = args.archive.stem
-        server.register(args.archive.name, name=args.model)
+        server.register(args.archive.name, args.workers, name=args.model)
         args.url, args.management = f"{server.inference}/predictions/{args.model}", server.management
+    results = {}
     try:
         rng = random.Random(1)
         valid = valid_requests(args.task, args.max_items, rng, args.valid)
-        if args.step == "fuzz":
-            result = run(args.url, args.management, args.model,
-                         bad_requests(args.task, args.max_items, args.max_tokens, rng, args.bad), valid, args.threads)
-        else:
-            bodies = [v.body for v in valid]
-            capacity = args.capacity or measured_capacity(args.url, bodies)
-            step = overload if args.step == "overload" else soak
-            result = step(args.url, args.management, args.model, bodies, capacity, args.seconds)
+        bodies = [v.body for v in valid]
+        if args.workload:
+            from tokenizers import Tokenizer
+
+            from bench.workloads import WORKLOADS, TextMaker
+
+            maker = TextMaker(Tokenizer.from_file(str(args.tokenizer)), seed=2)
+            bodies = [json.dumps(b).encode() for b in maker.requests(WORKLOADS[args.workload], args.valid)]
+        capacity = args.capacity
+        for name in steps:
+            print(f"[reliability {time.strftime('%H:%M:%S')}] {name}", flush=True)
+            if name == "fuzz":
+                results[name] = run(args.url, args.management, args.model,
+                                    bad_requests(args.task, args.max_items, args.max_tokens, rng, args.bad), valid,
+                                    args.threads)
+                continue
+            capacity = capacity or measured_capacity(args.url, bodies)
+            step = overload if name == "overload" else soak
+            results[name] = step(args.url, args.management, args.model, bodies, capacity, args.seconds)
     finally:
         if server:
             server.stop()
+    result = results[steps[0]] if len(steps) == 1 else results
     text = json.dumps(result, indent=1, ensure_ascii=False)
     print(text)
     if args.out:

@@ -43,7 +43,8 @@ def label(r: dict) -> str:
         ["graphs captured on first call"] if r.get("capture_at_load") is False and r.get("cuda_graphs")
         and r.get("device") != "cpu" else []) + (
         ["Triton top-k"] if r.get("topk") else []) + (
-        [f"async, {r['contexts']} contexts"] if r.get("contexts") else []) + (
+        [f"async, {r['contexts']} contexts" + ("" if r.get("overlap", True) else ", calls taking turns")]
+        if r.get("contexts") else []) + (
         [{"fp8-mlp": "FP8 MLP", "fp8-mlp-lmhead": "FP8 MLP + LM head"}[r["precision"]]]
         if r.get("precision", "").startswith("fp8") else []) + (
         ["fails the FP8 accuracy gate"] if r.get("fp8_gate_passes") is False else [])

@@ -44,15 +44,17 @@ def log(msg: str) -> None:
 
 
 def random_checkpoint(arch: dict, tokenizer: Path, out: Path) -> Path:
-    """An HF directory with random bf16 weights of the architecture and the given tokenizer."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """An HF directory with random bf16 weights of the architecture and the given tokenizer: a
+    causal LM, or a sequence classifier when the architecture names num_labels."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     if (out / "config.json").exists():
         return out
     cfg = AutoConfig.for_model(**arch)
+    kind = AutoModelForSequenceClassification if "num_labels" in arch else AutoModelForCausalLM
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        model = kind.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(out)
     shutil.copy(tokenizer, out / "tokenizer.json")
     return out
@@ -122,7 +124,8 @@ def request_flops(workload: Workload, spec: ModelSpec, tokenizer: Tokenizer, bod
     template = workload.task.get("prompt_template")
     if workload.texts:
         lengths = [len(tokenizer.encode((template or "{text}").replace("{text}", t)).ids) for t in body["texts"]]
-        return (flops.score_flops(spec, lengths, len(workload.task["labels"])),
+        labels = len(workload.task.get("labels") or workload.arch["id2label"])  # label tokens or a classifier's
+        return (flops.score_flops(spec, lengths, labels),
                 flops.fp8_flops(spec, precision, sum(lengths)))
     prompt = len(tokenizer.encode((template or "{prompt}").replace("{prompt}", body["prompt"])).ids)
     w, n = workload.task["beam_width"], workload.task["new_tokens"]
@@ -146,7 +149,9 @@ def main() -> None:
                                  "workers spread over GPUs 0..N-1 in turn; otherwise all on GPU 0), e.g. triton:4:8:g2, "
                                  "tsbN (TorchServe hands a worker at most N < BATCH requests at once, so that they "
                                  "spread over more workers), e.g. triton:4:8:g2:tsb2, ctxN (TorchServe's async mode, "
-                                 "N request contexts per worker: archiver --contexts N), e.g. triton:1:8:topk:ctx3. "
+                                 "N request contexts per worker: archiver --contexts N), e.g. triton:1:8:topk:ctx3, "
+                                 "serial (with ctxN: the contexts' calls take turns on the GPU, archiver --serial-calls), "
+                                 "score / beam (the variant serves only that task's archives). "
                                  "Default: triton:1:1,triton:1:1:nographs on cuda, reference:1:1 on cpu")
     p.add_argument("--levels", default=",".join(map(str, LEVELS)), help="concurrency levels swept")
     p.add_argument("--hf-workers", default="1,4", help="peer worker counts to try; the best is kept")
@@ -183,7 +188,7 @@ def main() -> None:
     deployments, builds = [], {}
     for model, w in {w.model: w for w in workloads.values()}.items():
         if "slm" in systems:
-            for v in variants:
+            for v in [v for v in variants if v.task in (None, w.task["task"])]:
                 topk = v.topk and w.task["task"] == "beam"  # a build option of beam archives
                 # the LM head in E4M3 is for beam tasks (a score task computes only its label rows)
                 precision = v.precision or w.task.get("precision", "bf16")
@@ -200,14 +205,14 @@ def main() -> None:
                 ts_batch = v.ts_batch or v.batch
                 served = mar + ("_nographs" if v.nographs else "") + ("_lazy" if v.lazy else "") + (
                     f"_g{v.gpus}" if v.gpus > 1 else "") + (f"_tsb{ts_batch}" if ts_batch != v.batch else "") + (
-                    f"_ctx{v.contexts}" if v.contexts else "")
+                    f"_ctx{v.contexts}" if v.contexts else "") + ("_serial" if v.serial else "")
                 d = Deployment("slm", f"{served}_x{v.workers}", f"{served}.mar", v.workers, v.attention, v.batch,
                                cuda_graphs=not v.nographs, topk=topk, gpus=v.gpus, built=f"{mar}.mar",
                                ts_batch=ts_batch, capture_at_load=not v.lazy and not v.nographs, precision=precision,
-                               contexts=v.contexts)
+                               contexts=v.contexts, overlap=not v.serial)
                 if d not in deployments:
                     deployments.append(d)
-        if "hf" in systems:
+        if "hf" in systems and w.task.get("head", "labels") == "labels":  # the peer scores label tokens only
             archive_handler(f"hf_{model}", BENCH / "peer_handler.py",
                             {"peer.json": {"checkpoint": str(checkpoints[w.name]), "task": w.task}},
                             store, args.device, work)
@@ -220,7 +225,7 @@ def main() -> None:
     for d in deployments:
         if d.built and d.mar != d.built and not (store / d.mar).exists() and (store / d.built).exists():
             configured_copy(store / d.built, store / d.mar, d.cuda_graphs, d.gpus, d.ts_batch,
-                            lazy=d.cuda_graphs and not d.capture_at_load, contexts=d.contexts)
+                            lazy=d.cuda_graphs and not d.capture_at_load, contexts=d.contexts, overlap=d.overlap)
     deployments = [d for d in deployments if d.system != "slm" or (store / d.mar).exists()]
     gates = {d.built: built_manifest(store / d.built).get("fp8_gate") for d in deployments if d.system == "slm"}
     for name, gate in gates.items():
@@ -241,7 +246,7 @@ def main() -> None:
         before, totals[d.name] = totals.get(d.name, {}), frontend_totals(server, d.name)
         rec = {"system": d.system, "attention": d.attention, "batch": d.batch, "cuda_graphs": d.cuda_graphs,
                "capture_at_load": d.capture_at_load, "topk": d.topk, "gpus": d.gpus, "worker_gpus": placed.get(d.name),
-               "ts_batch": d.ts_batch or d.batch, "contexts": d.contexts,
+               "ts_batch": d.ts_batch or d.batch, "contexts": d.contexts, "overlap": d.overlap,
                "workload": workload, **frontend_means(before, totals[d.name]),
                "workers": d.workers, **dataclasses.asdict(point), **meta, "flops_per_request": flops_per_request,
                "precision": d.precision, "fp8_flops_per_request": fp8_per_request, "fp8_gate": gates.get(d.built),
@@ -354,6 +359,7 @@ class Deployment:
     capture_at_load: bool = False  # slm on CUDA: every CUDA-graph bucket captured at worker load (else on first call)
     precision: str = "bf16"  # slm: the task's precision (bf16, fp8-mlp, fp8-mlp-lmhead; slm_core.fp8)
     contexts: int = 0  # slm: request contexts per worker in TorchServe's async mode (0: sync mode)
+    overlap: bool = True  # slm async: the contexts' calls overlap on the GPU (else take turns)
 
 
 class Variant(NamedTuple):
@@ -369,14 +375,18 @@ class Variant(NamedTuple):
     gpus: int = 1
     ts_batch: int | None = None  # TorchServe's batchSize, when below `batch`
     contexts: int = 0  # async mode with N request contexts per worker
+    serial: bool = False  # with contexts: calls take turns on the GPU
+    task: str | None = None  # "score" or "beam": the variant serves only that task's archives
 
 
 def parse_variant(text: str) -> Variant:
     attention, workers, batch, *options = text.split(":")
     v = Variant(attention, int(workers), int(batch))
     for o in options:
-        if o in ("nographs", "lazy", "topk"):
+        if o in ("nographs", "lazy", "topk", "serial"):
             v = v._replace(**{o: True})
+        elif o in ("score", "beam"):
+            v = v._replace(task=o)
         elif o in ("fp8", "fp8head"):
             v = v._replace(precision="fp8-mlp" if o == "fp8" else "fp8-mlp-lmhead")
         elif re.fullmatch(r"g[1-9][0-9]*", o):
@@ -387,7 +397,9 @@ def parse_variant(text: str) -> Variant:
             v = v._replace(contexts=int(o[3:]))
         else:
             raise SystemExit(f"--slm {text}: unknown option {o!r} "
-                             "(nographs, lazy, topk, fp8, fp8head, gN, tsbN with N <= BATCH, ctxN)")
+                             "(nographs, lazy, topk, fp8, fp8head, gN, tsbN with N <= BATCH, ctxN, serial, score, beam)")
+    if v.serial and not v.contexts:
+        raise SystemExit(f"--slm {text}: serial orders the calls of request contexts: it needs ctxN")
     return v
 
 
@@ -439,14 +451,15 @@ def built_manifest(mar: Path) -> dict:
 
 
 def configured_copy(src: Path, dst: Path, cuda_graphs: bool = True, gpus: int = 1, ts_batch: int | None = None,
-                    lazy: bool = False, contexts: int = 0) -> None:
+                    lazy: bool = False, contexts: int = 0, overlap: bool = True) -> None:
     """A copy of the archive `src` whose model-config.yaml turns the handler's CUDA graphs off
     (cuda_graphs=False) or has each captured on its first call, not at worker load (lazy),
     spreads the workers over GPUs 0..gpus-1, with a queue `gpus` times as long (they serve that
     much more within the deadline, archiver.build.queue_for_deadline), and lets TorchServe hand a
     worker at most `ts_batch` requests at once (the graph still takes up to its max_batch), or
     serves in TorchServe's async mode with `contexts` request contexts per worker (what archiver
-    --contexts writes: archiver.build.model_config)."""
+    --contexts writes: archiver.build.model_config), their calls taking turns on the GPU unless
+    overlap (archiver --serial-calls)."""
     import zipfile
 
     with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as zout:
@@ -464,7 +477,7 @@ def configured_copy(src: Path, dst: Path, cuda_graphs: bool = True, gpus: int = 
                 if ts_batch:
                     config["batchSize"] = ts_batch
                 if contexts:
-                    config = serve_async(config, contexts)
+                    config = serve_async(config, contexts, overlap)
                 data = yaml.safe_dump(config, sort_keys=False).encode()
             zout.writestr(item, data)
 
@@ -541,9 +554,8 @@ def plan(args, work: Path):
     chosen = {k: WORKLOADS[k] for k in args.workloads.split(",")}
     checkpoints = {}
     for k, w in chosen.items():
-        name = w.arch["model_type"]
-        log(f"random {name} checkpoint for {k}")
-        checkpoints[k] = random_checkpoint(w.arch, tok_path, work / f"ckpt-{name}")
+        log(f"random {w.arch['model_type']} checkpoint for {k}")
+        checkpoints[k] = random_checkpoint(w.arch, tok_path, work / f"ckpt-{w.model}")
     specs = {k: ModelSpec.from_hf_config(w.arch) for k, w in chosen.items()}
     return chosen, checkpoints, {k: Tokenizer.from_file(str(tok_path)) for k in chosen}, specs
 

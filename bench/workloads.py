@@ -13,6 +13,9 @@ from tokenizers import Tokenizer
 QWEN3_06B = dict(model_type="qwen3", hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
                  num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936,
                  tie_word_embeddings=True, rope_theta=1_000_000.0, rms_norm_eps=1e-6, max_position_embeddings=40960)
+# W1c: the same model fine-tuned as a classifier (transformers Qwen3ForSequenceClassification: a
+# `score` head [2, hidden] on the last token, no LM head) and served with head: classifier (issue 10)
+QWEN3_06B_CLS = dict(QWEN3_06B, num_labels=2, id2label={0: "irrelevant", 1: "relevant"})
 QWEN25_05B = dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
                   num_key_value_heads=2, intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
                   rope_theta=1_000_000.0, rms_norm_eps=1e-6, max_position_embeddings=32768)
@@ -29,10 +32,12 @@ class Workload:
 
 
 SCORE_TASK = dict(task="score", labels=["Yes", "No"], max_texts=16, max_text_tokens=160, precision="bf16")
+CLASSIFIER_TASK = dict(task="score", head="classifier", max_texts=16, max_text_tokens=160, precision="bf16")
 BEAM_TASK = dict(task="beam", beam_width=100, new_tokens=5, max_prompt_tokens=512, stop=["<|im_end|>"],
                  precision="bf16")
 WORKLOADS = {
     "W1": Workload("W1", "score_qwen3", QWEN3_06B, SCORE_TASK, texts=15, lengths=(64, 160)),
+    "W1c": Workload("W1c", "cls_qwen3", QWEN3_06B_CLS, CLASSIFIER_TASK, texts=15, lengths=(64, 160)),
     "W2": Workload("W2", "beam_qwen25", QWEN25_05B, BEAM_TASK, texts=0, lengths=(48, 128)),
     "W3": Workload("W3", "beam_qwen25", QWEN25_05B, BEAM_TASK, texts=0, lengths=(384, 512)),
 }

@@ -4,6 +4,7 @@ Weights keep transformers' names (`model.layers.{i}.self_attn.q_proj.weight`, ..
 loader (slm_core.model.Transformer.load_hf_weights) fuses them whatever the source.
 """
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from functools import lru_cache
@@ -22,6 +23,7 @@ class Checkpoint:
     spec: ModelSpec
     weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer
+    config: dict = dataclasses.field(default_factory=dict)  # config.json as read (GGUF: empty)
 
 
 def load_checkpoint(path: str | Path) -> Checkpoint:
@@ -43,11 +45,12 @@ def _load_hf_dir(path: Path) -> Checkpoint:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise SpecError(f"checkpoint directory {str(path)!r} has no *.safetensors")
-    spec = ModelSpec.from_hf_config(json.loads((path / "config.json").read_text()))
+    config = json.loads((path / "config.json").read_text())
+    spec = ModelSpec.from_hf_config(config)
     weights: dict[str, torch.Tensor] = {}
     for f in files:
         weights.update(load_file(f))
-    return Checkpoint(spec, weights, Tokenizer.from_file(str(path / "tokenizer.json")))
+    return Checkpoint(spec, weights, Tokenizer.from_file(str(path / "tokenizer.json")), config)
 
 
 # --- GGUF ---------------------------------------------------------------------------------------
@@ -106,6 +109,33 @@ def _load_gguf(path: Path) -> Checkpoint:
             w = w.reshape(n, w.shape[0] // n // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
         weights[_gguf_to_hf_name(t.name)] = torch.from_numpy(np.array(w, dtype=np.float32))  # own, writable copy
     return Checkpoint(spec, weights, _gguf_tokenizer(meta))
+
+
+def classifier_head(ckpt: Checkpoint, names: tuple[str, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None, tuple[str, ...]]:
+    """The sequence-classification head of a transformers `*ForSequenceClassification` checkpoint:
+    its `score` weight [num_labels, hidden], bias (None: the Llama/Qwen2/Qwen3 heads have none) and
+    label names: `names` when given (one per row), else config.json's id2label in id order."""
+    weight = ckpt.weights.get("score.weight")
+    if weight is None:
+        raise SpecError("head: classifier needs a sequence-classification checkpoint (transformers "
+                        "*ForSequenceClassification, with a `score` layer); this checkpoint has no score.weight")
+    if weight.ndim != 2 or weight.shape[1] != ckpt.spec.hidden_size or weight.shape[0] < 2:
+        raise SpecError(f"score.weight has shape {tuple(weight.shape)}; a head is [num_labels >= 2, hidden "
+                        f"{ckpt.spec.hidden_size}]")
+    n = weight.shape[0]
+    if not names:
+        id2label = ckpt.config.get("id2label") or {}
+        try:
+            names = tuple(str(id2label[k]) for k in sorted(id2label, key=int))
+        except ValueError:
+            raise SpecError(f"config.json id2label keys must be label ids, got {sorted(id2label)[:5]}") from None
+        if not names:
+            names = tuple(f"LABEL_{i}" for i in range(n))  # transformers' own default names
+    if len(names) != n:
+        raise SpecError(f"the classification head has {n} labels, the names are {len(names)}: {list(names)[:8]}")
+    if len(set(names)) != n:
+        raise SpecError(f"label names must be distinct, got {list(names)}")
+    return weight, ckpt.weights.get("score.bias"), tuple(names)
 
 
 def _gguf_to_hf_name(name: str) -> str:

@@ -8,14 +8,15 @@
 
 import contextlib
 import queue
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
 
-from slm_core.checkpoint import Checkpoint, load_checkpoint
+from slm_core.checkpoint import Checkpoint, classifier_head, load_checkpoint
 from slm_core.errors import InputError
 from slm_core.fp8 import quantize_linears
 from slm_core.graphs import BeamGraph, ScoreGraph
@@ -24,14 +25,27 @@ from slm_core.spec import PRECISIONS, RuntimeSpec, TaskSpec
 from slm_core.tokenizer import PackedTokenizer
 
 
+def resolve_task(ckpt: Checkpoint, task: TaskSpec) -> TaskSpec:
+    """The task as it serves this checkpoint: a classifier's label names filled in (id2label)."""
+    if task.task == "score" and task.head == "classifier":
+        return replace(task, labels=classifier_head(ckpt, task.labels)[2])
+    return task
+
+
 def build_graph(ckpt: Checkpoint, task: TaskSpec, runtime: RuntimeSpec) -> tuple[torch.nn.Module, PackedTokenizer]:
     """Checkpoint + task -> (ScoreGraph | BeamGraph on the runtime device, packed tokenizer)."""
+    task = resolve_task(ckpt, task)
     tokenizer = PackedTokenizer(ckpt.tokenizer, task)
     dtype = getattr(torch, PRECISIONS[task.precision])
     model = Transformer.empty(ckpt.spec, task.max_seq_tokens, dtype, runtime.device, runtime.attention)
-    model.load_hf_weights(ckpt.weights)
-    if task.task == "score":
-        graph = ScoreGraph(model, tokenizer.label_ids())  # copies its label rows of the LM head first
+    classifier = task.task == "score" and task.head == "classifier"
+    model.load_hf_weights(ckpt.weights, lm_head=not classifier)
+    logits = task.output == "logits"
+    if classifier:
+        weight, bias, _ = classifier_head(ckpt, task.labels)
+        graph = ScoreGraph.classifier(model, weight, bias, logits)
+    elif task.task == "score":
+        graph = ScoreGraph.labels(model, tokenizer.label_ids(), logits)  # copies its label rows of the LM head first
     else:
         stop = tokenizer.stop_ids()
         topk = None
@@ -61,10 +75,12 @@ class Engine:
     """Runs one task's graph. Each call takes a free request context (Context) and holds it to the
     end, so as many calls run at once as there are contexts (one per entry of `replays`), each on
     its own CUDA stream; more wait for one. `graph` must accept calls from several threads at once
-    when there are several contexts (slm_core.package serialises an AOTInductor runner's)."""
+    when there are several contexts (slm_core.package serialises an AOTInductor runner's).
+    overlap=False makes the calls take turns on the device (turn()): one context's call runs on the
+    GPU while the others pack their inputs or read out their results."""
 
     def __init__(self, graph: torch.nn.Module, tokenizer: PackedTokenizer, task: TaskSpec, runtime: RuntimeSpec,
-                 replays: Sequence = (None,)):
+                 replays: Sequence = (None,), overlap: bool = True):
         self.graph = graph
         self.tokenizer = tokenizer
         self.task = task
@@ -73,17 +89,21 @@ class Engine:
         self._free: queue.SimpleQueue[Context] = queue.SimpleQueue()
         for context in self.contexts:
             self._free.put(context)
+        self._device_turn = None if overlap else threading.Lock()
+        self._holder = threading.local()  # whether this thread holds the device turn
 
     @classmethod
     def from_checkpoint(
         cls, path: str | Path, task: "str | Path | Mapping[str, Any] | TaskSpec", device: str = "cpu"
     ) -> "Engine":
-        task, runtime = TaskSpec.load(task), RuntimeSpec(device=device)
-        graph, tokenizer = build_graph(load_checkpoint(path), task, runtime)
+        ckpt, runtime = load_checkpoint(path), RuntimeSpec(device=device)
+        task = resolve_task(ckpt, TaskSpec.load(task))
+        graph, tokenizer = build_graph(ckpt, task, runtime)
         return cls(graph, tokenizer, task, runtime)
 
     def score(self, texts: list[str]) -> list[list[float]]:
-        """One probability row per text over the task's labels, in the labels' order."""
+        """One row per text over the task's labels, in the labels' order: probabilities (or the
+        logits, task output: logits)."""
         return self.run_score(texts)[0]
 
     def beam(self, prompt: str) -> list[dict[str, Any]]:
@@ -143,6 +163,27 @@ class Engine:
             for ctx in held:
                 self._free.put(ctx)
 
+    @contextlib.contextmanager
+    def turn(self):
+        """With overlap=False: wait until no other call is on the device, and hold it until this
+        thread's next call has its outputs on the host (or the block ends). slm_core.scheduler takes
+        its turn before it takes requests from its queue, so everything that queued while the
+        previous call ran rides in the next one. With overlap (the default) it does nothing."""
+        if self._device_turn is None:
+            yield
+            return
+        self._device_turn.acquire()
+        self._holder.on = True
+        try:
+            yield
+        finally:
+            self._end_turn()
+
+    def _end_turn(self) -> None:
+        if getattr(self._holder, "on", False):
+            self._holder.on = False
+            self._device_turn.release()
+
     def _call(self, requests: list[object], pack) -> tuple[list, list, float, bool]:
         """Pack each request behind the ones before it and run the graph once for all of them.
         pack(request, ids_out, cu_out) writes one request's ids and its own boundaries (from 0)
@@ -183,6 +224,7 @@ class Engine:
             out = self.graph(ctx.ids[:t].to(self.device, non_blocking=True),
                              ctx.cu[: n + 1].to(self.device, non_blocking=True))
         outputs = [x.cpu().tolist() for x in ((out,) if isinstance(out, torch.Tensor) else out)]
+        self._end_turn()  # the outputs are on the host: the next call may take the device
         captured = replay is not None and len(replay.graphs) > captured_before
         return spans, outputs, (time.perf_counter() - start) * 1e3, captured
 

@@ -13,21 +13,36 @@ NEG = -1.0e9  # transformers' "impossible" score: keeps its ordering of exhauste
 
 
 class ScoreGraph(nn.Module):
-    """Packed texts -> label probabilities at each text's last token."""
+    """Packed texts -> one row per text from its last token's hidden state after the final norm:
+    a linear head [n_labels, hidden] (+ bias), then softmax (or the logits as they are).
 
-    def __init__(self, model: Transformer, label_ids: list[int]):
+    The label path's head is the LM head's rows of the label tokens (only those are ever
+    computed), in the model dtype; a classifier's is the checkpoint's `score` layer, in FP32
+    (ScoreGraph.classifier)."""
+
+    def __init__(self, model: Transformer, head_weight: torch.Tensor, head_bias: torch.Tensor | None = None,
+                 logits: bool = False):
         super().__init__()
         self.model = model
-        # Only the label rows of the LM head are ever computed: [n_labels, hidden].
-        self.label_ids = list(label_ids)
-        self.register_buffer("label_weight", model.lm_head.weight.detach()[label_ids].clone())
+        self.register_buffer("head_weight", head_weight.detach().clone())  # [n_labels, hidden]
+        self.register_buffer("head_bias", None if head_bias is None else head_bias.detach().clone())
+        self.logits = logits
+
+    @classmethod
+    def labels(cls, model: Transformer, label_ids: list[int], logits: bool = False) -> "ScoreGraph":
+        return cls(model, model.lm_head.weight.detach()[label_ids], logits=logits)
+
+    @classmethod
+    def classifier(cls, model: Transformer, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   logits: bool = False) -> "ScoreGraph":
+        return cls(model, weight.float(), None if bias is None else bias.float(), logits)
 
     def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """input_ids: [T] int32 packed; cu_seqlens: [N+1] int32. Returns [N, n_labels] fp32."""
         hidden, _ = self.model.prefill(input_ids, cu_seqlens)
-        last = hidden.index_select(0, cu_seqlens[1:] - 1)  # [N, hidden]
-        logits = F.linear(self.model.norm(last), self.label_weight)
-        return torch.softmax(logits.float(), dim=-1)
+        last = self.model.norm(hidden.index_select(0, cu_seqlens[1:] - 1))  # [N, hidden]
+        row = F.linear(last.to(self.head_weight.dtype), self.head_weight, self.head_bias).float()
+        return row if self.logits else torch.softmax(row, dim=-1)
 
 
 class BeamGraph(nn.Module):

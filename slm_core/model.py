@@ -188,8 +188,9 @@ class Transformer(nn.Module):
         return self.lm_head(self.norm(hidden))
 
     @torch.no_grad()
-    def load_hf_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """Copy transformers-named weights in, fusing q/k/v and gate/up. Every parameter must be set."""
+    def load_hf_weights(self, weights: Mapping[str, torch.Tensor], lm_head: bool = True) -> None:
+        """Copy transformers-named weights in, fusing q/k/v and gate/up. Every parameter must be set,
+        but an untied LM head when lm_head is False (a graph that never uses it)."""
         missing = []
 
         def take(name: str) -> torch.Tensor:
@@ -209,7 +210,10 @@ class Transformer(nn.Module):
 
         put(self.embed.weight, "model.embed_tokens.weight")
         put(self.norm.weight, "model.norm.weight")
-        if not self.spec.tie_word_embeddings:
+        if not self.spec.tie_word_embeddings and (lm_head or "lm_head.weight" in weights):
+            if "lm_head.weight" not in weights and "score.weight" in weights:
+                raise SpecError("the checkpoint is a sequence-classification model (a `score` head, no "
+                                "lm_head): serve it with the task key head: classifier")
             put(self.lm_head.weight, "lm_head.weight")
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."

@@ -18,7 +18,7 @@ import torch
 from tokenizers import Tokenizer
 
 from slm_core.checkpoint import Checkpoint
-from slm_core.engine import Engine, build_graph
+from slm_core.engine import Engine, build_graph, resolve_task
 from slm_core.errors import SpecError
 from slm_core.export import compile_package, export_graph
 from slm_core.replay import CudaGraphs, bucket_grid
@@ -87,6 +87,7 @@ def build_package(
     compiled graph disagrees with the eager one, or an fp8 precision fails its accuracy gate
     against bf16 (fp8_gate: fp8_max_diff for score, fp8_min_shared for beam)."""
     runtime = RuntimeSpec(device, attention, topk)
+    task = resolve_task(ckpt, task)  # a classifier's label names, as the manifest's task keeps them
     dev = torch.device(device)
     if dev.type != "cuda" and "triton" in (attention, topk):
         raise SpecError("the Triton kernels (--attention triton, --topk triton) compile for CUDA only; "
@@ -128,7 +129,7 @@ def build_package(
         "format": FORMAT,
         "task": task.to_dict(),
         "architecture": dataclasses.asdict(ckpt.spec),
-        "label_ids": tokenizer.label_ids() if task.task == "score" else [],
+        "label_ids": tokenizer.label_ids() if task.task == "score" and task.head == "labels" else [],
         "stop_ids": tokenizer.stop_ids() if task.task == "beam" else [],
         "dtype": PRECISIONS[task.precision],
         "device": dev.type,
@@ -150,7 +151,7 @@ def signature(task: TaskSpec) -> dict[str, list[str]]:
         return {
             "inputs": [f"input_ids int32 [tokens <= {task.graph_tokens}]",
                        f"cu_seqlens int32 [texts + 1 <= {task.graph_texts + 1}]"],
-            "outputs": [f"probs float32 [texts, {len(task.labels)}]"],
+            "outputs": [f"{task.output} float32 [texts, {len(task.labels)}]"],
         }
     w, n = task.beam_width, task.new_tokens
     return {
@@ -289,9 +290,10 @@ def _fits(tokenizer: PackedTokenizer, text: str) -> bool:
 
 
 def load_package(model_dir: str | Path, gpu_id: int | None = None, cuda_graphs: bool = True,
-                 contexts: int = 1) -> Engine:
+                 contexts: int = 1, overlap: bool = True) -> Engine:
     """The Engine of a built package, on `cuda:{gpu_id}` for CUDA builds (replaying CUDA graphs
-    unless cuda_graphs is False), with `contexts` request contexts (calls that may run at once).
+    unless cuda_graphs is False), with `contexts` request contexts (calls that may run at once, on
+    the GPU too unless overlap is False: Engine.turn).
     Refuses, with the reason, a package built for another device type, torch version or GPU
     architecture."""
     model_dir = Path(model_dir)
@@ -316,9 +318,9 @@ def load_package(model_dir: str | Path, gpu_id: int | None = None, cuda_graphs: 
     runtime = RuntimeSpec(str(device), manifest.get("attention", "reference"), manifest.get("topk", "torch"))
     path = str(model_dir / manifest["graph"]["file"])
     if device.type == "cuda":
-        return _cuda_engine(path, tokenizer, task, runtime, device, cuda_graphs, contexts)
+        return _cuda_engine(path, tokenizer, task, runtime, device, cuda_graphs, contexts, overlap)
     # a CPU package's runner has its own lock: contexts take turns on it
-    return Engine(torch._inductor.aoti_load_package(path), tokenizer, task, runtime, [None] * contexts)
+    return Engine(torch._inductor.aoti_load_package(path), tokenizer, task, runtime, [None] * contexts, overlap)
 
 
 def worker_device(gpu_id: int | None) -> torch.device:
@@ -336,7 +338,7 @@ def worker_device(gpu_id: int | None) -> torch.device:
 
 
 def _cuda_engine(path: str, tokenizer: PackedTokenizer, task: TaskSpec, runtime: RuntimeSpec, device: torch.device,
-                 cuda_graphs: bool, contexts: int = 1) -> Engine:
+                 cuda_graphs: bool, contexts: int = 1, overlap: bool = True) -> Engine:
     """A CUDA package's Engine with `contexts` request contexts; with cuda_graphs, its calls replay
     CUDA graphs (slm_core.replay), one set per context, which needs the package loaded
     single-threaded (FACTS.md): its one runner then takes one call at a time (OneAtATime). Replays
@@ -344,9 +346,9 @@ def _cuda_engine(path: str, tokenizer: PackedTokenizer, task: TaskSpec, runtime:
     index = torch.cuda.current_device() if device.index is None else device.index  # AOTI takes no None
     graph = torch._inductor.aoti_load_package(path, run_single_threaded=cuda_graphs, device_index=index)
     if not cuda_graphs:
-        return Engine(graph, tokenizer, task, runtime, [None] * contexts)
+        return Engine(graph, tokenizer, task, runtime, [None] * contexts, overlap)
     graph = OneAtATime(graph)
-    return Engine(graph, tokenizer, task, runtime, [CudaGraphs(graph, task, device) for _ in range(contexts)])
+    return Engine(graph, tokenizer, task, runtime, [CudaGraphs(graph, task, device) for _ in range(contexts)], overlap)
 
 
 class OneAtATime:

@@ -140,6 +140,12 @@ class TaskSpec:
     stop: tuple[str, ...] = ()
     precision: str = "bf16"
     max_batch: int = 1  # requests packed into one graph call (TorchServe's batchSize)
+    # score tasks: where a text's row comes from, at its last token. "labels": the LM head's rows of
+    # the label tokens; "classifier": the checkpoint's sequence-classification head (`score`), its
+    # label names from config.json's id2label unless `labels` names them. output: "probs"
+    # (softmax over the row) or "logits" (the row itself).
+    head: str = "labels"
+    output: str = "probs"
 
     def __post_init__(self):
         if self.task not in ("score", "beam"):
@@ -156,7 +162,13 @@ class TaskSpec:
             items = getattr(self, name)
             if not all(isinstance(s, str) and s for s in items):
                 raise SpecError(f"task key {name!r} must be a list of non-empty strings, got {list(items)!r}")
-        if self.task == "score" and len(self.labels) < 2:
+        if self.head not in ("labels", "classifier"):
+            raise SpecError(f"task key 'head' must be 'labels' or 'classifier', got {self.head!r}")
+        if self.output not in ("probs", "logits"):
+            raise SpecError(f"task key 'output' must be 'probs' or 'logits', got {self.output!r}")
+        if self.task == "beam" and (self.head, self.output) != ("labels", "probs"):
+            raise SpecError("task keys 'head' and 'output' are for score tasks")
+        if self.task == "score" and self.head == "labels" and len(self.labels) < 2:
             raise SpecError("a score task needs at least two 'labels'")
         if self.task == "score" and self.precision == "fp8-mlp-lmhead":
             raise SpecError("precision 'fp8-mlp-lmhead' is for beam tasks: a score task computes only its labels' "

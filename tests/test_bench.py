@@ -139,6 +139,10 @@ def test_configured_copies_change_only_their_settings(tmp_path):
     with zipfile.ZipFile(tmp_path / "ctx3.mar") as f:
         assert yaml.safe_load(f.read("model-config.yaml")) == model_config("cuda", 1, 60, batch=8, queue=6,
                                                                            device_ids=[0], contexts=3)
+    configured_copy(src, tmp_path / "ctx2s.mar", contexts=2, overlap=False)  # ... --contexts 2 --serial-calls
+    with zipfile.ZipFile(tmp_path / "ctx2s.mar") as f:
+        assert yaml.safe_load(f.read("model-config.yaml")) == model_config("cuda", 1, 60, batch=8, queue=6,
+                                                                           device_ids=[0], contexts=2, overlap=False)
 
 
 def test_variants_parse_options_and_refuse_unknown_ones():
@@ -152,6 +156,10 @@ def test_variants_parse_options_and_refuse_unknown_ones():
     assert parse_variant("triton:2:8:topk:fp8head").precision == "fp8-mlp-lmhead"
     assert parse_variant("triton:2:8").precision is None  # the workload's own
     assert parse_variant("triton:1:8:topk:ctx3") == Variant("triton", 1, 8, topk=True, contexts=3)
+    assert parse_variant("triton:1:8:topk:ctx2:serial") == Variant("triton", 1, 8, topk=True, contexts=2, serial=True)
+    assert parse_variant("triton:2:8:topk:beam").task == "beam" and parse_variant("triton:2:8").task is None
+    with pytest.raises(SystemExit, match="needs ctxN"):
+        parse_variant("triton:2:8:serial")
     for bad in ("triton:1:8:gpu2", "triton:1:8:g0", "triton:1:8:fast", "triton:1:8:tsb9", "triton:1:8:tsb0",
                 "triton:1:8:ctx0"):
         with pytest.raises(SystemExit, match="unknown option"):
@@ -180,6 +188,7 @@ def test_report_labels_name_each_build_and_serving_option():
     assert label({**base, "ts_batch": 2}) == "slm (triton, batch 8, TorchServe batch 2)"
     assert label({**base, "ts_batch": 8}) == "slm (triton, batch 8)"
     assert label({**base, "contexts": 3}) == "slm (triton, batch 8, async, 3 contexts)"
+    assert label({**base, "contexts": 2, "overlap": False}) == "slm (triton, batch 8, async, 2 contexts, calls taking turns)"
     assert label({**base, "capture_at_load": True}) == "slm (triton, batch 8)"
     assert label({**base, "cuda_graphs": True, "capture_at_load": False}) == (
         "slm (triton, batch 8, graphs captured on first call)")

@@ -91,7 +91,7 @@ def test_fp8_engines_answer_close_to_bf16_and_the_gate_measures_it(random_checkp
     texts = ["search engines rank documents", "a", "the lazy dog " * 3]
     diffs = [abs(a - b) for r, s in zip(bf16.score(texts), fp8.score(texts)) for a, b in zip(r, s)]
     assert 0 < max(diffs) < 0.1
-    assert torch.equal(fp8.graph.label_weight, bf16.graph.label_weight)
+    assert torch.equal(fp8.graph.head_weight, bf16.graph.head_weight)
     gate = fp8_gate(ckpt, RuntimeSpec("cpu"), fp8, max_diff=0.1, min_shared=0.5)
     assert gate["against"] == "bf16" and 0 < gate["mean_abs_diff"] <= gate["max_abs_diff"] < 0.1 and gate["texts"] >= 10
     with pytest.raises(SpecError, match="fails its accuracy gate"):

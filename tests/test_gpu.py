@@ -42,7 +42,7 @@ def test_cuda_bf16_score_and_beam(random_checkpoint, arch):
     gpu = engine_for(ckpt, "cuda", **task, precision="bf16")
     ours = gpu.score(RANDOM_TEXTS)
     hf_bf16 = copy.deepcopy(hf).to("cuda", torch.bfloat16)  # the fixture stays the fp32 CPU reference
-    ref = hf_score(hf_bf16, text_ids(gpu, RANDOM_TEXTS), gpu.graph.label_ids)
+    ref = hf_score(hf_bf16, text_ids(gpu, RANDOM_TEXTS), gpu.tokenizer.label_ids())
     fp32 = engine_for(ckpt, "cpu", **task).score(RANDOM_TEXTS)
     diff_hf = max(abs(a - b) for r, s in zip(ours, ref) for a, b in zip(r, s))
     diff_fp32 = max(abs(a - b) for r, s in zip(ours, fp32) for a, b in zip(r, s))

@@ -89,7 +89,7 @@ def test_random_score_one_and_many_texts(random_checkpoint, arch):
     eng = engine_for(ckpt, task="score", labels=["yes", "no", "maybe"], max_texts=8, max_text_tokens=64)
     for texts in (RANDOM_TEXTS[:1], RANDOM_TEXTS):
         ids = text_ids(eng, texts)
-        ref = hf_score(hf, ids, eng.graph.label_ids)
+        ref = hf_score(hf, ids, eng.tokenizer.label_ids())
         for row, ref_row in zip(eng.score(texts), ref):
             assert row == pytest.approx(ref_row, abs=1e-4)
 
@@ -104,7 +104,7 @@ def test_random_score_lengths_one_token_to_bound(random_checkpoint, arch):
     texts = ["a", longest, "fox", longest[:40]]
     ids = text_ids(eng, texts)
     assert len(ids[0]) == 1 and len(ids[1]) == bound
-    ref = hf_score(hf, ids, eng.graph.label_ids)
+    ref = hf_score(hf, ids, eng.tokenizer.label_ids())
     for row, ref_row in zip(eng.score(texts), ref):
         assert row == pytest.approx(ref_row, abs=1e-4)
 
