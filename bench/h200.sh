@@ -87,7 +87,7 @@ reliability)
                         *) task=(--task beam --max-tokens 512) ;; esac
         common=(--archive "$mar" --workers "$workers" "${task[@]}" --workload "$workload" --tokenizer bench/assets/tokenizer.json)
         python3 -m bench.reliability fuzz,overload "${common[@]}" --seconds 60 \
-            --out "$OUT/reliability_${name}.json" > "$OUT/reliability_${name}.log" 2>&1
+            --out "$OUT/reliability_${name}.json" --logs "$OUT/reliability_logs_${name}" > "$OUT/reliability_${name}.log" 2>&1
         [ -n "${SOAK:-}" ] && python3 -m bench.reliability soak "${common[@]}" --seconds "$SOAK" \
             --out "$OUT/reliability_soak_${name}.json" > "$OUT/reliability_soak_${name}.log" 2>&1
     done ;;

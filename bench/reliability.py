@@ -31,6 +31,7 @@ import asyncio
 import concurrent.futures
 import json
 import random
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -336,6 +337,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=1, help="with --archive: its workers")
     p.add_argument("--workload", choices=["W1", "W2", "W3"], help="overload/soak: that workload's requests")
     p.add_argument("--tokenizer", type=Path, help="with --workload: the tokenizer its texts are made for")
+    p.add_argument("--logs", type=Path, help="with --archive: copy the private TorchServe's logs here at the end")
     p.add_argument("--task", choices=["score", "beam"], required=True)
     p.add_argument("--max-items", type=int, default=16, help="the task's max_texts (score)")
     p.add_argument("--max-tokens", type=int, default=160, help="the task's max_text_tokens / max_prompt_tokens")
@@ -383,6 +385,8 @@ def main() -> None:
     finally:
         if server:
             server.stop()
+            if args.logs:  # what the workers said (a worker that died, a 503's reason)
+                shutil.copytree(server.workdir / "logs", args.logs, dirs_exist_ok=True)
     result = results[steps[0]] if len(steps) == 1 else results
     text = json.dumps(result, indent=1, ensure_ascii=False)
     print(text)
