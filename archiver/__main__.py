@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--contexts", type=int,
                    help="request contexts per worker: 0 serves in TorchServe's sync mode (a worker takes one batch "
                         "at a time); N >= 1 in its async mode, N graph calls at once in one worker, each on its own "
-                        "CUDA stream (slm_core.scheduler; the queue then waits inside the worker). Default: 2 for "
-                        "CUDA score tasks, else 0 (the faster on the H200, archiver.build.serving_defaults)")
+                        "CUDA stream (slm_core.scheduler; the queue then waits inside the worker). Default 0: two sync "
+                        "workers per GPU (archiver.build.serving_defaults says why)")
     b.add_argument("--serial-calls", action="store_true",
                    help="with --contexts N: the contexts' graph calls take turns on the GPU instead of overlapping; "
                         "each call takes every request that queued during the previous one, and one context's "

@@ -69,19 +69,20 @@ def serve_async(config: dict, contexts: int, overlap: bool = True) -> dict:
 
 
 def serving_defaults(device: str, task: TaskSpec, gpus: int = 1) -> tuple[int, int]:
-    """(workers, request contexts per worker) when the archiver is not told: what served the task
-    best on the H200 (bench/RESULTS.md, run 2026-11-30T200552Z). Score: one async worker with 2
-    contexts, 236.7 req/s at the SLO against 203.3 for two sync workers: a score call is
-    compute-bound (2 requests in one call take 1.8x one), so two calls overlapping on two streams
-    beat two processes time-slicing the GPU. Beam: two sync workers, 264.0 (W2) and 115.3 (W3)
-    req/s against 157.3 and 105.3 async: a beam call batches almost for free (2 prompts 9.1 ms, 1
-    prompt 7.6 ms, W2), and TorchServe's batching put 2.0-2.7 requests in a call where the async
-    worker's 2 contexts took them as they came (1.2-1.3). The workers per GPU, times the GPUs of
-    `--device-ids`. CPU builds (development): one sync worker."""
+    """(workers, request contexts per worker) when the archiver is not told: two sync workers per
+    GPU of `--device-ids`, score and beam alike; CPU builds (development) one sync worker.
+
+    Beam: the fastest on the H200 (bench/RESULTS.md, runs 200552Z and 234007Z): W2 264.0-300.0 and
+    W3 109.3-115.3 req/s at the SLO, against 157.3 / 105.3 for an async worker with 2 contexts
+    (TorchServe's batching puts 2-3 requests in a call, almost free for beams) and 206.7 / 75.3
+    with the contexts' calls taking turns. Score: an async worker with 2 contexts serves more
+    (W1 236.7-257.7 against 203.3), but under 3x overload on the H200 (run 234007Z) it answered
+    nothing for 80 s, every request refused, its worker apparently reloading; two sync workers
+    refused the excess in ~1 ms and recovered at once. Until that is understood, async is
+    `--contexts 2`, chosen knowingly."""
     if not device.startswith("cuda"):
         return 1, 0
-    workers, contexts = (1, 2) if task.task == "score" else (2, 0)
-    return workers * gpus, contexts
+    return 2 * gpus, 0
 
 
 def queue_for_deadline(deadline_ms: float, full_call_ms: float, batch: int, gpus: int = 1) -> int:

@@ -380,6 +380,8 @@ def main() -> None:
                                     args.threads)
                 continue
             capacity = capacity or measured_capacity(args.url, bodies)
+            if not capacity:
+                raise SystemExit("no concurrency met the SLO (mean < 20 ms, P99 < 80 ms): pass --capacity R")
             step = overload if name == "overload" else soak
             results[name] = step(args.url, args.management, args.model, bodies, capacity, args.seconds)
     finally:

@@ -81,8 +81,8 @@ def test_cuda_export(random_checkpoint):
 
 def test_cuda_archive_serves_through_torchserve(random_checkpoint, tmp_path):
     """--device cuda build: manifest, load on cuda:0, equal to the eager CUDA engine; then the same
-    archive through a real TorchServe (GPU worker; a score task's default: one async worker with 2
-    request contexts) answers exactly as the loaded package does."""
+    archive through a real TorchServe (GPU workers; the default: 2 sync workers) answers exactly as
+    the loaded package does."""
     import json
     import zipfile
 
@@ -101,7 +101,7 @@ def test_cuda_archive_serves_through_torchserve(random_checkpoint, tmp_path):
     zipfile.ZipFile(store / "gpu_score.mar").extractall(unpacked)
     manifest = json.loads((unpacked / MANIFEST).read_text())
     config = yaml.safe_load((unpacked / "model-config.yaml").read_text())
-    assert config["asyncCommunication"] is True and config["handler"]["contexts"] == 2 and config["minWorkers"] == 1
+    assert "asyncCommunication" not in config and config["minWorkers"] == config["maxWorkers"] == 2
     assert manifest["device"] == "cuda" and manifest["versions"]["capability"] == list(torch.cuda.get_device_capability())
     compiled = load_package(unpacked, gpu_id=0)
     assert compiled.device == torch.device("cuda", 0)
@@ -116,8 +116,8 @@ def test_cuda_archive_serves_through_torchserve(random_checkpoint, tmp_path):
         assert status == 200
         for row, ref in zip(json.loads(body)["scores"], compiled.score(RANDOM_TEXTS)):
             assert row == pytest.approx(ref, abs=1e-6)
-        worker = server.workers("gpu_score")[0]
-        assert worker["gpu"] is True, worker
+        workers = server.workers("gpu_score")
+        assert len(workers) == 2 and all(w["gpu"] is True for w in workers), workers
     finally:
         server.stop()
 
