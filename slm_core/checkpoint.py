@@ -4,9 +4,8 @@ Weights keep transformers' names (`model.layers.{i}.self_attn.q_proj.weight`, ..
 loader (slm_core.model.Transformer.load_hf_weights) fuses them whatever the source.
 """
 
-import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
@@ -23,7 +22,7 @@ class Checkpoint:
     spec: ModelSpec
     weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer
-    config: dict = dataclasses.field(default_factory=dict)  # config.json as read (GGUF: empty)
+    config: dict = field(default_factory=dict)  # config.json as read (GGUF: empty)
 
 
 def load_checkpoint(path: str | Path) -> Checkpoint:

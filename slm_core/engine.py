@@ -33,8 +33,8 @@ def resolve_task(ckpt: Checkpoint, task: TaskSpec) -> TaskSpec:
 
 
 def build_graph(ckpt: Checkpoint, task: TaskSpec, runtime: RuntimeSpec) -> tuple[torch.nn.Module, PackedTokenizer]:
-    """Checkpoint + task -> (ScoreGraph | BeamGraph on the runtime device, packed tokenizer)."""
-    task = resolve_task(ckpt, task)
+    """Checkpoint + task -> (ScoreGraph | BeamGraph on the runtime device, packed tokenizer). A
+    classifier's label names are checked here; resolve_task fills them into the task the Engine serves."""
     tokenizer = PackedTokenizer(ckpt.tokenizer, task)
     dtype = getattr(torch, PRECISIONS[task.precision])
     model = Transformer.empty(ckpt.spec, task.max_seq_tokens, dtype, runtime.device, runtime.attention)
