@@ -77,11 +77,13 @@ profile)
         done
     done ;;
 reliability)
-    # as the archiver's defaults serve them, 2 sync workers (score and beam), and score by one async
-    # worker with 2 request contexts (the bench step's _ctx2 copy, if it ran: its outage under overload
-    # in run 234007Z is to be explained from these logs); overload with the workload's own requests
-    for spec in "slm_score_qwen3_triton_b8:2:W1" "slm_score_qwen3_triton_b8_ctx2:1:W1" "slm_beam_qwen25_triton_b8_topk:2:W2"; do
-        IFS=: read -r name workers workload <<< "$spec"
+    # the bench step's copies (NAME_xWORKERS.mar, configured as the archiver configures that many
+    # workers): by default the archiver's defaults, 2 sync workers (beam, score), then score by one
+    # async worker with 2 request contexts (its outage under overload in run 234007Z is to be
+    # explained from these logs); overload with the workload's own requests
+    for spec in ${RELIABLE:-slm_beam_qwen25_triton_b8_topk_x2:W2 slm_score_qwen3_triton_b4_x2:W1 slm_score_qwen3_triton_b4_ctx2_x1:W1}; do
+        IFS=: read -r name workload <<< "$spec"
+        workers=${name##*_x}
         mar="$WORK/model-store/$name.mar"
         [ -e "$mar" ] || { echo "no $mar"; continue; }
         case "$name" in *score*) task=(--task score --max-items 16 --max-tokens 160) ;;

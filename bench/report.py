@@ -38,12 +38,14 @@ def label(r: dict) -> str:
     extra = ([f"×{r['workers']} workers"] if r["workers"] > 1 else []) + (
         [f"{r['gpus']} GPUs"] if r.get("gpus", 1) > 1 else []) + (
         [f"batch {r['batch']}"] if r.get("batch", 1) > 1 else []) + (
-        [f"TorchServe batch {r['ts_batch']}"] if r.get("ts_batch", r.get("batch")) != r.get("batch") else []) + (
+        [f"TorchServe batch {r['ts_batch']}"] if r.get("ts_batch", r.get("batch")) != r.get("batch")
+        and not r.get("contexts") else []) + (
         ["no CUDA graphs"] if r.get("cuda_graphs") is False and r.get("device") != "cpu" else []) + (
         ["graphs captured on first call"] if r.get("capture_at_load") is False and r.get("cuda_graphs")
         and r.get("device") != "cpu" else []) + (
         ["Triton top-k"] if r.get("topk") else []) + (
-        [f"async, {r['contexts']} contexts" + ("" if r.get("overlap", True) else ", calls taking turns")]
+        [f"async, {r['contexts']} contexts" + ("" if r.get("overlap", True) else ", calls taking turns")
+         + (f", switch interval {r['switch_interval_ms']:g} ms" if r.get("switch_interval_ms") is not None else "")]
         if r.get("contexts") else []) + (
         [{"fp8-mlp": "FP8 MLP", "fp8-mlp-lmhead": "FP8 MLP + LM head"}[r["precision"]]]
         if r.get("precision", "").startswith("fp8") else []) + (

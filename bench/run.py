@@ -26,7 +26,7 @@ import torch
 import yaml
 from tokenizers import Tokenizer
 
-from archiver.build import model_config, serve_async
+from archiver.build import admission, model_config, serve_async
 from bench import flops
 from bench.loadgen import measure, sweep
 from bench.workloads import WORKLOADS, TextMaker, Workload
@@ -36,6 +36,7 @@ from slm_core.spec import ModelSpec
 
 BENCH = Path(__file__).resolve().parent
 PRECISION_SUFFIX = {"fp8-mlp": "_fp8", "fp8-mlp-lmhead": "_fp8head"}  # archive names of the fp8 builds
+DEADLINE_MS = 80.0  # the latency SLO's P99 bound: what the archiver sizes queues for by default
 LEVELS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128]  # finer where the SLO usually binds
 
 
@@ -151,6 +152,8 @@ def main() -> None:
                                  "spread over more workers), e.g. triton:4:8:g2:tsb2, ctxN (TorchServe's async mode, "
                                  "N request contexts per worker: archiver --contexts N), e.g. triton:1:8:topk:ctx3, "
                                  "serial (with ctxN: the contexts' calls take turns on the GPU, archiver --serial-calls), "
+                                 "swiMS (with ctxN: the async worker's switch interval in ms, handler setting "
+                                 "switch_interval_ms), e.g. triton:1:8:ctx2:swi0.5, "
                                  "score / beam (the variant serves only that task's archives). "
                                  "Default: triton:1:1,triton:1:1:nographs on cuda, reference:1:1 on cpu")
     p.add_argument("--levels", default=",".join(map(str, LEVELS)), help="concurrency levels swept")
@@ -200,16 +203,16 @@ def main() -> None:
                 if mar not in builds and (argv := slm_build(mar, checkpoints[w.name], task, store, args.device,
                                                             v.attention, work, "triton" if topk else "torch")):
                     builds[mar] = argv
-                # nographs, lazy, gN, tsbN, ctxN: served from a copy of the archive with those settings
-                # (configured_copy)
-                ts_batch = v.ts_batch or v.batch
+                # served from a copy of the archive configured as the archiver would for these workers
+                # and options (configured_copy): nographs, lazy, gN, tsbN, ctxN, serial, swiN
                 served = mar + ("_nographs" if v.nographs else "") + ("_lazy" if v.lazy else "") + (
-                    f"_g{v.gpus}" if v.gpus > 1 else "") + (f"_tsb{ts_batch}" if ts_batch != v.batch else "") + (
-                    f"_ctx{v.contexts}" if v.contexts else "") + ("_serial" if v.serial else "")
-                d = Deployment("slm", f"{served}_x{v.workers}", f"{served}.mar", v.workers, v.attention, v.batch,
-                               cuda_graphs=not v.nographs, topk=topk, gpus=v.gpus, built=f"{mar}.mar",
-                               ts_batch=ts_batch, capture_at_load=not v.lazy and not v.nographs, precision=precision,
-                               contexts=v.contexts, overlap=not v.serial)
+                    f"_g{v.gpus}" if v.gpus > 1 else "") + (f"_tsb{v.ts_batch}" if v.ts_batch else "") + (
+                    f"_ctx{v.contexts}" if v.contexts else "") + ("_serial" if v.serial else "") + (
+                    f"_swi{round(v.switch_interval_ms * 1000)}us" if v.switch_interval_ms is not None else "")  # no dot in a name
+                d = Deployment("slm", f"{served}_x{v.workers}", f"{served}_x{v.workers}.mar", v.workers, v.attention,
+                               v.batch, cuda_graphs=not v.nographs, topk=topk, gpus=v.gpus, built=f"{mar}.mar",
+                               ts_batch=v.ts_batch, capture_at_load=not v.lazy and not v.nographs, precision=precision,
+                               contexts=v.contexts, overlap=not v.serial, switch_interval_ms=v.switch_interval_ms)
                 if d not in deployments:
                     deployments.append(d)
         if "hf" in systems and w.task.get("head", "labels") == "labels":  # the peer scores label tokens only
@@ -224,8 +227,9 @@ def main() -> None:
         log(f"SKIPPED (not built): {sorted(failed)}")
     for d in deployments:
         if d.built and d.mar != d.built and not (store / d.mar).exists() and (store / d.built).exists():
-            configured_copy(store / d.built, store / d.mar, d.cuda_graphs, d.gpus, d.ts_batch,
-                            lazy=d.cuda_graphs and not d.capture_at_load, contexts=d.contexts, overlap=d.overlap)
+            configured_copy(store / d.built, store / d.mar, d.workers, d.cuda_graphs, d.gpus, d.ts_batch,
+                            lazy=d.cuda_graphs and not d.capture_at_load, contexts=d.contexts, overlap=d.overlap,
+                            switch_interval_ms=d.switch_interval_ms)
     deployments = [d for d in deployments if d.system != "slm" or (store / d.mar).exists()]
     gates = {d.built: built_manifest(store / d.built).get("fp8_gate") for d in deployments if d.system == "slm"}
     for name, gate in gates.items():
@@ -246,7 +250,7 @@ def main() -> None:
         before, totals[d.name] = totals.get(d.name, {}), frontend_totals(server, d.name)
         rec = {"system": d.system, "attention": d.attention, "batch": d.batch, "cuda_graphs": d.cuda_graphs,
                "capture_at_load": d.capture_at_load, "topk": d.topk, "gpus": d.gpus, "worker_gpus": placed.get(d.name),
-               "ts_batch": d.ts_batch or d.batch, "contexts": d.contexts, "overlap": d.overlap,
+               **served_settings(store / d.mar, d), "contexts": d.contexts, "overlap": d.overlap,
                "workload": workload, **frontend_means(before, totals[d.name]),
                "workers": d.workers, **dataclasses.asdict(point), **meta, "flops_per_request": flops_per_request,
                "precision": d.precision, "fp8_flops_per_request": fp8_per_request, "fp8_gate": gates.get(d.built),
@@ -360,6 +364,7 @@ class Deployment:
     precision: str = "bf16"  # slm: the task's precision (bf16, fp8-mlp, fp8-mlp-lmhead; slm_core.fp8)
     contexts: int = 0  # slm: request contexts per worker in TorchServe's async mode (0: sync mode)
     overlap: bool = True  # slm async: the contexts' calls overlap on the GPU (else take turns)
+    switch_interval_ms: float | None = None  # slm async: the worker's sys.setswitchinterval (None: Python's 5 ms)
 
 
 class Variant(NamedTuple):
@@ -376,6 +381,7 @@ class Variant(NamedTuple):
     ts_batch: int | None = None  # TorchServe's batchSize, when below `batch`
     contexts: int = 0  # async mode with N request contexts per worker
     serial: bool = False  # with contexts: calls take turns on the GPU
+    switch_interval_ms: float | None = None  # with contexts: the handler setting switch_interval_ms
     task: str | None = None  # "score" or "beam": the variant serves only that task's archives
 
 
@@ -395,11 +401,13 @@ def parse_variant(text: str) -> Variant:
             v = v._replace(ts_batch=int(o[3:]))
         elif re.fullmatch(r"ctx[1-9][0-9]*", o):
             v = v._replace(contexts=int(o[3:]))
+        elif re.fullmatch(r"swi[0-9]*\.?[0-9]+", o):
+            v = v._replace(switch_interval_ms=float(o[3:]))
         else:
-            raise SystemExit(f"--slm {text}: unknown option {o!r} "
-                             "(nographs, lazy, topk, fp8, fp8head, gN, tsbN with N <= BATCH, ctxN, serial, score, beam)")
-    if v.serial and not v.contexts:
-        raise SystemExit(f"--slm {text}: serial orders the calls of request contexts: it needs ctxN")
+            raise SystemExit(f"--slm {text}: unknown option {o!r} (nographs, lazy, topk, fp8, fp8head, gN, tsbN "
+                             "with N <= BATCH, ctxN, serial, swiMS, score, beam)")
+    if (v.serial or v.switch_interval_ms is not None) and not v.contexts:
+        raise SystemExit(f"--slm {text}: serial and swiMS set the async worker of request contexts: they need ctxN")
     return v
 
 
@@ -450,36 +458,55 @@ def built_manifest(mar: Path) -> dict:
         return json.loads(z.read("manifest.json"))
 
 
-def configured_copy(src: Path, dst: Path, cuda_graphs: bool = True, gpus: int = 1, ts_batch: int | None = None,
-                    lazy: bool = False, contexts: int = 0, overlap: bool = True) -> None:
-    """A copy of the archive `src` whose model-config.yaml turns the handler's CUDA graphs off
-    (cuda_graphs=False) or has each captured on its first call, not at worker load (lazy),
-    spreads the workers over GPUs 0..gpus-1, with a queue `gpus` times as long (they serve that
-    much more within the deadline, archiver.build.queue_for_deadline), and lets TorchServe hand a
-    worker at most `ts_batch` requests at once (the graph still takes up to its max_batch), or
-    serves in TorchServe's async mode with `contexts` request contexts per worker (what archiver
-    --contexts writes: archiver.build.model_config), their calls taking turns on the GPU unless
-    overlap (archiver --serial-calls)."""
+def configured_copy(src: Path, dst: Path, workers: int = 1, cuda_graphs: bool = True, gpus: int = 1,
+                    ts_batch: int | None = None, lazy: bool = False, contexts: int = 0, overlap: bool = True,
+                    switch_interval_ms: float | None = None) -> None:
+    """A copy of the archive `src` configured as the archiver configures `workers` workers
+    (archiver.build.admission: TorchServe's batch and the queue for an 80 ms deadline, from the
+    full call timed at build), spread over GPUs 0..gpus-1 if gpus > 1; options: the handler's CUDA
+    graphs off (cuda_graphs=False) or each captured on its first call, not at worker load (lazy);
+    TorchServe hands a worker at most `ts_batch` requests at once (the graph still takes up to its
+    max_batch); TorchServe's async mode with `contexts` request contexts per worker (archiver
+    --contexts), their calls taking turns on the GPU unless overlap (archiver --serial-calls), the
+    worker's switch interval set (handler setting switch_interval_ms)."""
     import zipfile
 
     with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as zout:
+        manifest = json.loads(zin.read("manifest.json"))
+        batch, queue, _ = admission(DEADLINE_MS, manifest["full_call_ms"], manifest["task"]["max_batch"], workers,
+                                    contexts, gpus, ts_batch)
         for item in zin.infolist():
             data = zin.read(item.filename)
             if item.filename == "model-config.yaml":
                 config = yaml.safe_load(data)
+                config.update(minWorkers=workers, maxWorkers=workers, batchSize=batch, jobQueueSize=queue)
+                handler = config.setdefault("handler", {})
                 if not cuda_graphs:
-                    config["handler"] = {**(config.get("handler") or {}), "cuda_graphs": False}
+                    handler["cuda_graphs"] = False
                 if lazy:
-                    config["handler"] = {**(config.get("handler") or {}), "capture_at_load": False}
+                    handler["capture_at_load"] = False
+                if switch_interval_ms is not None:
+                    handler["switch_interval_ms"] = switch_interval_ms
                 if gpus > 1:
                     config["deviceIds"] = list(range(gpus))
-                    config["jobQueueSize"] = config["jobQueueSize"] * gpus
-                if ts_batch:
-                    config["batchSize"] = ts_batch
                 if contexts:
                     config = serve_async(config, contexts, overlap)
                 data = yaml.safe_dump(config, sort_keys=False).encode()
             zout.writestr(item, data)
+
+
+def served_settings(mar: Path, d: Deployment) -> dict:
+    """What a deployment's archive configures: TorchServe's batch and the queue (slm: its
+    model-config.yaml; others: the graph batch, unknown queue)."""
+    import zipfile
+
+    if d.system != "slm":
+        return {"ts_batch": d.batch, "queue": None}
+    with zipfile.ZipFile(mar) as z:
+        config = yaml.safe_load(z.read("model-config.yaml"))
+    handler = config.get("handler") or {}
+    return {"ts_batch": config["batchSize"], "queue": handler.get("max_waiting", config["jobQueueSize"]),
+            "switch_interval_ms": handler.get("switch_interval_ms")}
 
 
 def served_check(server: TorchServe, workload: str, bodies: list[dict], deployments: list[Deployment]) -> dict:

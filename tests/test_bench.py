@@ -105,44 +105,46 @@ def test_harness_smoke_on_cpu(demo, tmp_path):
 
 
 def test_configured_copies_change_only_their_settings(tmp_path):
-    """bench's `:nographs` and `:gN` deployments serve a copy of the archive whose model-config.yaml
-    turns CUDA graphs off, or spreads the workers over GPUs 0..N-1 with an N times longer queue;
-    everything else in it is byte for byte the same."""
+    """Each bench deployment serves a copy of the archive whose model-config.yaml is what the
+    archiver writes for its workers (archiver.build.admission: TorchServe's batch and the queue
+    for 80 ms, from the full call timed at build), with its options (:nographs, :lazy, :gN, :tsbN,
+    :ctxN, :serial, :swiMS); everything else in it is byte for byte the same."""
     import zipfile
 
     import yaml
 
-    from archiver.build import model_config
+    from archiver.build import admission, model_config
     from bench.run import configured_copy
 
     src = tmp_path / "a.mar"
+    built = model_config("cuda", 1, 60, batch=8, queue=6, device_ids=[0])
     with zipfile.ZipFile(src, "w") as z:
-        z.writestr("model-config.yaml", yaml.safe_dump(model_config("cuda", 1, 60, batch=8, queue=6, device_ids=[0])))
+        z.writestr("model-config.yaml", yaml.safe_dump(built))
+        z.writestr("manifest.json", json.dumps({"full_call_ms": 18.4, "task": {"max_batch": 8}}))
         z.writestr("graph.pt2", b"\x00weights" * 100)
-    configured_copy(src, tmp_path / "nographs.mar", cuda_graphs=False)
-    configured_copy(src, tmp_path / "g2.mar", gpus=2)
-    configured_copy(src, tmp_path / "tsb2.mar", ts_batch=2)
-    configured_copy(src, tmp_path / "lazy.mar", lazy=True)
-    with zipfile.ZipFile(src) as a, zipfile.ZipFile(tmp_path / "nographs.mar") as b, \
-            zipfile.ZipFile(tmp_path / "g2.mar") as c:
-        base = yaml.safe_load(a.read("model-config.yaml"))
-        assert base["handler"] == {"cuda_graphs": True, "capture_at_load": True} and base["deviceIds"] == [0]
-        assert yaml.safe_load(b.read("model-config.yaml")) == {
-            **base, "handler": {"cuda_graphs": False, "capture_at_load": True}}
-        assert yaml.safe_load(c.read("model-config.yaml")) == {**base, "deviceIds": [0, 1], "jobQueueSize": 12}
-        assert a.read("graph.pt2") == b.read("graph.pt2") == c.read("graph.pt2")
-    with zipfile.ZipFile(tmp_path / "tsb2.mar") as d:
-        assert yaml.safe_load(d.read("model-config.yaml")) == {**base, "batchSize": 2}
-    with zipfile.ZipFile(tmp_path / "lazy.mar") as e:
-        assert yaml.safe_load(e.read("model-config.yaml"))["handler"] == {"cuda_graphs": True, "capture_at_load": False}
-    configured_copy(src, tmp_path / "ctx3.mar", contexts=3)  # as the archiver writes it with --contexts 3
-    with zipfile.ZipFile(tmp_path / "ctx3.mar") as f:
-        assert yaml.safe_load(f.read("model-config.yaml")) == model_config("cuda", 1, 60, batch=8, queue=6,
-                                                                           device_ids=[0], contexts=3)
-    configured_copy(src, tmp_path / "ctx2s.mar", contexts=2, overlap=False)  # ... --contexts 2 --serial-calls
-    with zipfile.ZipFile(tmp_path / "ctx2s.mar") as f:
-        assert yaml.safe_load(f.read("model-config.yaml")) == model_config("cuda", 1, 60, batch=8, queue=6,
-                                                                           device_ids=[0], contexts=2, overlap=False)
+
+    def config(name: str, **options) -> dict:
+        configured_copy(src, tmp_path / f"{name}.mar", **options)
+        with zipfile.ZipFile(src) as a, zipfile.ZipFile(tmp_path / f"{name}.mar") as b:
+            assert a.read("graph.pt2") == b.read("graph.pt2") and a.read("manifest.json") == b.read("manifest.json")
+            return yaml.safe_load(b.read("model-config.yaml"))
+
+    def base(workers: int, batch: int, queue: int) -> dict:
+        return {**built, "minWorkers": workers, "maxWorkers": workers, "batchSize": batch, "jobQueueSize": queue}
+
+    # 8 in the call and 18 queued: a request finishes after (18 + 8) / 8 + 1 = 4.25 full calls of 18.4 ms
+    assert config("x1") == base(1, 8, 18)
+    assert config("x2", workers=2) == base(2, 4, 18) == base(2, *admission(80, 18.4, 8, 2)[:2])
+    assert config("nographs", cuda_graphs=False) == {**base(1, 8, 18), "handler": {"cuda_graphs": False,
+                                                                                  "capture_at_load": True}}
+    assert config("lazy", lazy=True)["handler"] == {"cuda_graphs": True, "capture_at_load": False}
+    assert config("g2", workers=4, gpus=2) == {**base(4, 4, 36), "deviceIds": [0, 1]}  # 2 GPUs: twice the queue
+    assert config("tsb2", workers=2, ts_batch=2) == base(2, 2, 22)
+    # as the archiver writes it with --contexts 3 (--serial-calls), the queue inside the worker
+    assert config("ctx3", contexts=3) == model_config("cuda", 1, 60, batch=8, queue=2, device_ids=[0], contexts=3)
+    assert config("ctx2s", contexts=2, overlap=False) == model_config("cuda", 1, 60, batch=8, queue=10, device_ids=[0],
+                                                                      contexts=2, overlap=False)
+    assert config("swi", contexts=2, switch_interval_ms=0.5)["handler"]["switch_interval_ms"] == 0.5
 
 
 def test_variants_parse_options_and_refuse_unknown_ones():
@@ -158,10 +160,12 @@ def test_variants_parse_options_and_refuse_unknown_ones():
     assert parse_variant("triton:1:8:topk:ctx3") == Variant("triton", 1, 8, topk=True, contexts=3)
     assert parse_variant("triton:1:8:topk:ctx2:serial") == Variant("triton", 1, 8, topk=True, contexts=2, serial=True)
     assert parse_variant("triton:2:8:topk:beam").task == "beam" and parse_variant("triton:2:8").task is None
-    with pytest.raises(SystemExit, match="needs ctxN"):
-        parse_variant("triton:2:8:serial")
+    assert parse_variant("triton:1:4:ctx2:swi0.5").switch_interval_ms == 0.5
+    for needs_contexts in ("triton:2:8:serial", "triton:2:8:swi1"):
+        with pytest.raises(SystemExit, match="need ctxN"):
+            parse_variant(needs_contexts)
     for bad in ("triton:1:8:gpu2", "triton:1:8:g0", "triton:1:8:fast", "triton:1:8:tsb9", "triton:1:8:tsb0",
-                "triton:1:8:ctx0"):
+                "triton:1:8:ctx0", "triton:1:8:ctx2:swi"):
         with pytest.raises(SystemExit, match="unknown option"):
             parse_variant(bad)
 

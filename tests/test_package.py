@@ -70,20 +70,29 @@ def test_manifest_records_what_serving_needs(archives):
 
 def test_the_queue_is_sized_for_the_deadline(archives):
     """Without --queue the archiver allows as many waiting requests as finish within the deadline
-    (tiny_beam: --deadline-ms 80, the CUDA default), from the full call it timed at build; --queue
-    overrides it."""
+    (tiny_beam: --deadline-ms 80, the CUDA default), from the full call it timed at build, behind
+    the requests already in calls; --queue overrides it. Sync workers sharing a GPU split
+    max_batch, so that their calls together hold one full call."""
     import yaml
 
-    from archiver.build import queue_for_deadline
+    from archiver.build import Admission, admission, queue_for_deadline, worker_batch
 
-    assert queue_for_deadline(80, 10, 8) == 56  # a request behind 56 others finishes after 8 calls
-    assert queue_for_deadline(80, 40, 2) == 2 and queue_for_deadline(80, 200, 8) == 1
+    # a request behind 48 queued and 8 in calls finishes after 7 + 1 full calls of 10 ms
+    assert queue_for_deadline(80, 10, 8, in_flight=8) == 48
+    assert queue_for_deadline(80, 40, 2, in_flight=2) == 1 and queue_for_deadline(80, 200, 8, in_flight=8) == 1
+    assert queue_for_deadline(80, 10, 8, in_flight=8, gpus=2) == 96  # workers spread over two GPUs serve twice as many
+    assert worker_batch(8, 1) == 8 and worker_batch(8, 2) == 4 and worker_batch(8, 3) == 3
+    assert worker_batch(8, 4, gpus=2) == 4 and worker_batch(8, 2, contexts=2) == 1
+    # the H200 beam archive (a full call of 8 prompts at 512 tokens: 18.4 ms): 2 sync workers hold 8 in calls
+    assert admission(80, 18.4, 8, workers=2) == Admission(batch=4, queue=18, in_flight=8)
+    assert admission(80, 18.4, 8, workers=1, contexts=2) == Admission(1, 10, 16)  # 2 contexts: 2 full calls
+    assert admission(80, 18.4, 8, workers=2, batch=2) == Admission(2, 22, 4)  # TorchServe's batch given
     beam = json.loads((archives["tiny_beam"] / MANIFEST).read_text())
     config = yaml.safe_load((archives["tiny_beam"] / "model-config.yaml").read_text())
-    assert config["jobQueueSize"] == queue_for_deadline(80, beam["full_call_ms"], beam["task"]["max_batch"])
+    b = beam["task"]["max_batch"]
+    assert (config["batchSize"], config["jobQueueSize"]) == (b, queue_for_deadline(80, beam["full_call_ms"], b, b))
     score = yaml.safe_load((archives["tiny_score"] / "model-config.yaml").read_text())
     assert score["jobQueueSize"] == 30  # built with --queue 30
-    assert queue_for_deadline(80, 10, 8, gpus=2) == 112  # workers spread over two GPUs serve twice as many
 
 
 def test_device_ids_reach_model_config_of_cuda_builds():
@@ -214,6 +223,23 @@ class MockContext:
 
     def add_time(self, name, value):
         self.counters[name] = value
+
+
+def test_async_handler_sets_the_switch_interval(archives):
+    """Handler setting switch_interval_ms: the async worker's threads hand the GIL over that often
+    (Python's default is 5 ms); unset, the worker keeps the interpreter's."""
+    import sys
+
+    before = sys.getswitchinterval()
+    try:
+        for interval, expected in ((0.5, 0.0005), (None, 0.0005)):
+            ctx = MockContext(archives["tiny_score"])
+            ctx.model_yaml_config = {"asyncCommunication": True, "batchSize": 1,
+                                     "handler": {"contexts": 1, "switch_interval_ms": interval}}
+            SlmHandler().initialize(ctx)
+            assert sys.getswitchinterval() == pytest.approx(expected)
+    finally:
+        sys.setswitchinterval(before)
 
 
 def test_handler_batch_with_good_and_bad_requests(archives):
