@@ -80,16 +80,17 @@ reliability)
     # the bench step's copies (NAME_xWORKERS.mar, configured as the archiver configures that many
     # workers): by default the archiver's defaults, 2 sync workers (beam, score), then score by one
     # async worker with 2 request contexts (its outage under overload in run 234007Z is to be
-    # explained from these logs); overload with the workload's own requests
+    # explained from these logs); overload with the workload's own requests. RELIABLE: NAME:WORKLOAD[:CAPACITY]
+    # (a capacity given skips measuring it); STEPS: bench.reliability's steps
     for spec in ${RELIABLE:-slm_beam_qwen25_triton_b8_topk_x2:W2 slm_score_qwen3_triton_b4_x2:W1 slm_score_qwen3_triton_b4_ctx2_x1:W1}; do
-        IFS=: read -r name workload <<< "$spec"
+        IFS=: read -r name workload capacity <<< "$spec"
         workers=${name##*_x}
         mar="$WORK/model-store/$name.mar"
         [ -e "$mar" ] || { echo "no $mar"; continue; }
         case "$name" in *score*) task=(--task score --max-items 16 --max-tokens 160) ;;
                         *) task=(--task beam --max-tokens 512) ;; esac
         common=(--archive "$mar" --workers "$workers" "${task[@]}" --workload "$workload" --tokenizer bench/assets/tokenizer.json)
-        python3 -m bench.reliability fuzz,overload "${common[@]}" --seconds 60 \
+        python3 -m bench.reliability "${STEPS:-fuzz,overload}" "${common[@]}" ${capacity:+--capacity "$capacity"} --seconds 60 \
             --out "$OUT/reliability_${name}.json" --logs "$OUT/reliability_logs_${name}" > "$OUT/reliability_${name}.log" 2>&1
         [ -n "${SOAK:-}" ] && python3 -m bench.reliability soak "${common[@]}" --seconds "$SOAK" \
             --out "$OUT/reliability_soak_${name}.json" > "$OUT/reliability_soak_${name}.log" 2>&1

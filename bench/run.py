@@ -473,7 +473,7 @@ def configured_copy(src: Path, dst: Path, workers: int = 1, cuda_graphs: bool = 
 
     with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as zout:
         manifest = json.loads(zin.read("manifest.json"))
-        batch, queue, _ = admission(DEADLINE_MS, manifest["full_call_ms"], manifest["task"]["max_batch"], workers,
+        batch, queue, _ = admission(DEADLINE_MS, manifest["call_ms"], manifest["task"]["max_batch"], workers,
                                     contexts, gpus, ts_batch)
         for item in zin.infolist():
             data = zin.read(item.filename)

@@ -123,7 +123,7 @@ def build_package(
         gate = step(f"accuracy gate: compiled {task.precision} against bf16 on {len(EVAL_TEXTS)} evaluation texts",
                     lambda: fp8_gate(ckpt, runtime, compiled, fp8_max_diff, fp8_min_shared))
         progress(f"accuracy gate passed: {gate}")
-    full_call_ms = step("timing a full call (max_batch requests at the token bounds)", lambda: time_full_call(compiled))
+    call_ms = step("timing calls at the token bounds (1, 2, 4 ... max_batch requests)", lambda: time_calls(compiled))
     tokenizer.tokenizer.save(str(out_dir / TOKENIZER))
     manifest = {
         "format": FORMAT,
@@ -139,7 +139,8 @@ def build_package(
         "graph": {"file": GRAPH, "signature": signature(task)},
         "check": check,
         "fp8_gate": gate,
-        "full_call_ms": full_call_ms,
+        "full_call_ms": call_ms[str(task.max_batch)],  # max_batch requests
+        "call_ms": call_ms,
         "built": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -242,11 +243,12 @@ def check_compiled(eager: Engine, compiled: Engine) -> dict[str, Any]:
     return check
 
 
-def time_full_call(engine: Engine, repeat: int = 5) -> float:
-    """Milliseconds of one graph call at the task's bounds, copy-in to results on the host: max_batch
-    requests, each with max_texts texts of max_text_tokens tokens (score) or one prompt of
-    max_prompt_tokens (beam); the median of `repeat` after one warm-up. The slowest call a worker
-    makes, which admission control plans with (archiver --deadline-ms)."""
+def time_calls(engine: Engine, repeat: int = 5) -> dict[str, float]:
+    """Milliseconds of one graph call at the task's bounds, copy-in to results on the host, per
+    number of requests in the call (1, 2, 4, ... and max_batch; JSON keys), each request max_texts
+    texts of max_text_tokens tokens (score) or one prompt of max_prompt_tokens (beam); the median
+    of `repeat` after one warm-up. The slowest call a worker makes with that many requests, which
+    admission control plans with (archiver.build.admission)."""
     task = engine.task
     texts, length = task.request_sequences, task.sequence_tokens
 
@@ -255,8 +257,12 @@ def time_full_call(engine: Engine, repeat: int = 5) -> float:
         cu_out[: texts + 1] = [i * length for i in range(texts + 1)]
         return texts, texts * length
 
-    times = [engine._call([None] * task.max_batch, pack)[2] for _ in range(repeat + 1)]
-    return sorted(times[1:])[repeat // 2]
+    def median(batch: int) -> float:
+        times = [engine._call([None] * batch, pack)[2] for _ in range(repeat + 1)]
+        return sorted(times[1:])[repeat // 2]
+
+    batches = sorted({1 << i for i in range(task.max_batch.bit_length()) if 1 << i <= task.max_batch} | {task.max_batch})
+    return {str(b): median(b) for b in batches}
 
 
 def capture_all(engine: Engine) -> int:

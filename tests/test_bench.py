@@ -120,7 +120,8 @@ def test_configured_copies_change_only_their_settings(tmp_path):
     built = model_config("cuda", 1, 60, batch=8, queue=6, device_ids=[0])
     with zipfile.ZipFile(src, "w") as z:
         z.writestr("model-config.yaml", yaml.safe_dump(built))
-        z.writestr("manifest.json", json.dumps({"full_call_ms": 18.4, "task": {"max_batch": 8}}))
+        z.writestr("manifest.json", json.dumps({"call_ms": {"1": 8.0, "2": 9.6, "4": 12.5, "8": 18.1},
+                                                "task": {"max_batch": 8}}))
         z.writestr("graph.pt2", b"\x00weights" * 100)
 
     def config(name: str, **options) -> dict:
@@ -132,17 +133,17 @@ def test_configured_copies_change_only_their_settings(tmp_path):
     def base(workers: int, batch: int, queue: int) -> dict:
         return {**built, "minWorkers": workers, "maxWorkers": workers, "batchSize": batch, "jobQueueSize": queue}
 
-    # 8 in the call and 18 queued: a request finishes after (18 + 8) / 8 + 1 = 4.25 full calls of 18.4 ms
-    assert config("x1") == base(1, 8, 18)
-    assert config("x2", workers=2) == base(2, 4, 18) == base(2, *admission(80, 18.4, 8, 2)[:2])
-    assert config("nographs", cuda_graphs=False) == {**base(1, 8, 18), "handler": {"cuda_graphs": False,
+    # one worker, calls of 8 (18.1 ms): a request behind 15 others finishes after (15 / 8 + 2) x 18.1 = 70 ms
+    assert config("x1") == base(1, 8, 15)
+    assert config("x2", workers=2) == base(2, 4, 11) == base(2, *admission(80, {"4": 12.5}, 8, 2)[:2])
+    assert config("nographs", cuda_graphs=False) == {**base(1, 8, 15), "handler": {"cuda_graphs": False,
                                                                                   "capture_at_load": True}}
     assert config("lazy", lazy=True)["handler"] == {"cuda_graphs": True, "capture_at_load": False}
-    assert config("g2", workers=4, gpus=2) == {**base(4, 4, 36), "deviceIds": [0, 1]}  # 2 GPUs: twice the queue
-    assert config("tsb2", workers=2, ts_batch=2) == base(2, 2, 22)
-    # as the archiver writes it with --contexts 3 (--serial-calls), the queue inside the worker
-    assert config("ctx3", contexts=3) == model_config("cuda", 1, 60, batch=8, queue=2, device_ids=[0], contexts=3)
-    assert config("ctx2s", contexts=2, overlap=False) == model_config("cuda", 1, 60, batch=8, queue=10, device_ids=[0],
+    assert config("g2", workers=4, gpus=2) == {**base(4, 4, 22), "deviceIds": [0, 1]}  # 2 GPUs: twice the queue
+    assert config("tsb2", workers=2, ts_batch=2) == base(2, 2, 9)
+    # as the archiver writes it with --contexts 2 (--serial-calls), the queue inside the worker
+    assert config("ctx2", contexts=2) == model_config("cuda", 1, 60, batch=8, queue=7, device_ids=[0], contexts=2)
+    assert config("ctx2s", contexts=2, overlap=False) == model_config("cuda", 1, 60, batch=8, queue=7, device_ids=[0],
                                                                       contexts=2, overlap=False)
     assert config("swi", contexts=2, switch_interval_ms=0.5)["handler"]["switch_interval_ms"] == 0.5
 

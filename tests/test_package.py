@@ -69,28 +69,31 @@ def test_manifest_records_what_serving_needs(archives):
 
 
 def test_the_queue_is_sized_for_the_deadline(archives):
-    """Without --queue the archiver allows as many waiting requests as finish within the deadline
-    (tiny_beam: --deadline-ms 80, the CUDA default), from the full call it timed at build, behind
-    the requests already in calls; --queue overrides it. Sync workers sharing a GPU split
+    """Without --queue the archiver allows as many waiting requests as finish within 90 % of the
+    deadline (tiny_beam: --deadline-ms 80, the CUDA default), from the calls it timed at build,
+    behind the calls that run at once; --queue overrides it. Sync workers sharing a GPU split
     max_batch, so that their calls together hold one full call."""
     import yaml
 
-    from archiver.build import Admission, admission, queue_for_deadline, worker_batch
+    from archiver.build import Admission, admission, call_time, queue_for_deadline, worker_batch
 
-    # a request behind 48 queued and 8 in calls finishes after 7 + 1 full calls of 10 ms
-    assert queue_for_deadline(80, 10, 8, in_flight=8) == 48
-    assert queue_for_deadline(80, 40, 2, in_flight=2) == 1 and queue_for_deadline(80, 200, 8, in_flight=8) == 1
-    assert queue_for_deadline(80, 10, 8, in_flight=8, gpus=2) == 96  # workers spread over two GPUs serve twice as many
+    # 2 calls of 4 at once, 12 ms each: a request behind 12 others finishes after (12 / 4 + 2 + 1) x 12 = 72 ms
+    assert queue_for_deadline(80, 12, per_call=4, calls=2) == 12
+    assert queue_for_deadline(80, 40, 2, 1) == 1 and queue_for_deadline(80, 200, 8, 1) == 1
+    assert queue_for_deadline(80, 12, 4, 2, gpus=2) == 24  # workers spread over two GPUs serve twice as many
     assert worker_batch(8, 1) == 8 and worker_batch(8, 2) == 4 and worker_batch(8, 3) == 3
     assert worker_batch(8, 4, gpus=2) == 4 and worker_batch(8, 2, contexts=2) == 1
-    # the H200 beam archive (a full call of 8 prompts at 512 tokens: 18.4 ms): 2 sync workers hold 8 in calls
-    assert admission(80, 18.4, 8, workers=2) == Admission(batch=4, queue=18, in_flight=8)
-    assert admission(80, 18.4, 8, workers=1, contexts=2) == Admission(1, 10, 16)  # 2 contexts: 2 full calls
-    assert admission(80, 18.4, 8, workers=2, batch=2) == Admission(2, 22, 4)  # TorchServe's batch given
-    beam = json.loads((archives["tiny_beam"] / MANIFEST).read_text())
+    beam = {"1": 8.0, "2": 9.6, "4": 12.5, "8": 18.1}  # the H200 beam archive's calls at the bounds (ms)
+    assert call_time(beam, 3) == 12.5 and call_time(beam, 8) == 18.1 and call_time(beam, 9) == 18.1
+    assert admission(80, beam, 8, workers=2) == Admission(batch=4, queue=11, call_ms=12.5)
+    assert admission(80, beam, 8, workers=1) == Admission(8, 15, 18.1)
+    assert admission(80, beam, 8, workers=1, contexts=2) == Admission(1, 7, 18.1)  # 2 contexts: 2 calls of 8
+    assert admission(80, beam, 8, workers=2, batch=2) == Admission(2, 9, 9.6)  # TorchServe's batch given
+    manifest = json.loads((archives["tiny_beam"] / MANIFEST).read_text())
+    b = manifest["task"]["max_batch"]
+    assert set(manifest["call_ms"]) == {"1", "2", str(b)} and manifest["full_call_ms"] == manifest["call_ms"][str(b)]
     config = yaml.safe_load((archives["tiny_beam"] / "model-config.yaml").read_text())
-    b = beam["task"]["max_batch"]
-    assert (config["batchSize"], config["jobQueueSize"]) == (b, queue_for_deadline(80, beam["full_call_ms"], b, b))
+    assert (config["batchSize"], config["jobQueueSize"]) == admission(80, manifest["call_ms"], b, 1)[:2]
     score = yaml.safe_load((archives["tiny_score"] / "model-config.yaml").read_text())
     assert score["jobQueueSize"] == 30  # built with --queue 30
 
