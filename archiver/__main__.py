@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="longest wait for more requests to batch (the task's max_batch sets how many)")
     b.add_argument("--queue", type=int,
                    help="requests that may wait for a worker; beyond them TorchServe answers 503 at once "
-                        "(default: as many as finish within --deadline-ms, from a full call timed at build; "
+                        "(default: as many as finish within --deadline-ms behind the calls that run at once, from "
+                        "the calls timed at build, archiver.build.admission; "
                         "100 on CPU builds without --deadline-ms)")
     b.add_argument("--deadline-ms", type=float,
                    help="latency a queued request must still meet, sizing the queue when --queue is not given "

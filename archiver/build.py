@@ -104,7 +104,8 @@ def queue_for_deadline(deadline_ms: float, call_ms: float, per_call: int, calls:
     once, each taking about `call_ms` of the GPU, so it drains per_call requests per call_ms. A
     request behind q others waits q / per_call calls' time for a worker to take it, then its own
     call shares the GPU with the others: it finishes after about (q / per_call + calls + 1) x
-    call_ms (fits the H200's admitted P99 at 3x overload within 3 %, run 2026-12-01T015205Z).
+    call_ms (with call_ms from the drain rate measured at 3x overload, the admitted P99 of three
+    H200 overload runs within 6 %, bench/RESULTS.md).
     At least 1 per GPU."""
     per_gpu = (0.9 * deadline_ms / call_ms - calls - 1) * per_call
     return max(1, int(per_gpu)) * gpus

@@ -152,8 +152,6 @@ def main() -> None:
                                  "spread over more workers), e.g. triton:4:8:g2:tsb2, ctxN (TorchServe's async mode, "
                                  "N request contexts per worker: archiver --contexts N), e.g. triton:1:8:topk:ctx3, "
                                  "serial (with ctxN: the contexts' calls take turns on the GPU, archiver --serial-calls), "
-                                 "swiMS (with ctxN: the async worker's switch interval in ms, handler setting "
-                                 "switch_interval_ms), e.g. triton:1:8:ctx2:swi0.5, "
                                  "score / beam (the variant serves only that task's archives). "
                                  "Default: triton:1:1,triton:1:1:nographs on cuda, reference:1:1 on cpu")
     p.add_argument("--levels", default=",".join(map(str, LEVELS)), help="concurrency levels swept")
@@ -204,15 +202,14 @@ def main() -> None:
                                                             v.attention, work, "triton" if topk else "torch")):
                     builds[mar] = argv
                 # served from a copy of the archive configured as the archiver would for these workers
-                # and options (configured_copy): nographs, lazy, gN, tsbN, ctxN, serial, swiN
+                # and options (configured_copy): nographs, lazy, gN, tsbN, ctxN, serial
                 served = mar + ("_nographs" if v.nographs else "") + ("_lazy" if v.lazy else "") + (
                     f"_g{v.gpus}" if v.gpus > 1 else "") + (f"_tsb{v.ts_batch}" if v.ts_batch else "") + (
-                    f"_ctx{v.contexts}" if v.contexts else "") + ("_serial" if v.serial else "") + (
-                    f"_swi{round(v.switch_interval_ms * 1000)}us" if v.switch_interval_ms is not None else "")  # no dot in a name
+                    f"_ctx{v.contexts}" if v.contexts else "") + ("_serial" if v.serial else "")
                 d = Deployment("slm", f"{served}_x{v.workers}", f"{served}_x{v.workers}.mar", v.workers, v.attention,
                                v.batch, cuda_graphs=not v.nographs, topk=topk, gpus=v.gpus, built=f"{mar}.mar",
                                ts_batch=v.ts_batch, capture_at_load=not v.lazy and not v.nographs, precision=precision,
-                               contexts=v.contexts, overlap=not v.serial, switch_interval_ms=v.switch_interval_ms)
+                               contexts=v.contexts, overlap=not v.serial)
                 if d not in deployments:
                     deployments.append(d)
         if "hf" in systems and w.task.get("head", "labels") == "labels":  # the peer scores label tokens only
@@ -228,8 +225,7 @@ def main() -> None:
     for d in deployments:
         if d.built and d.mar != d.built and not (store / d.mar).exists() and (store / d.built).exists():
             configured_copy(store / d.built, store / d.mar, d.workers, d.cuda_graphs, d.gpus, d.ts_batch,
-                            lazy=d.cuda_graphs and not d.capture_at_load, contexts=d.contexts, overlap=d.overlap,
-                            switch_interval_ms=d.switch_interval_ms)
+                            lazy=d.cuda_graphs and not d.capture_at_load, contexts=d.contexts, overlap=d.overlap)
     deployments = [d for d in deployments if d.system != "slm" or (store / d.mar).exists()]
     gates = {d.built: built_manifest(store / d.built).get("fp8_gate") for d in deployments if d.system == "slm"}
     for name, gate in gates.items():
@@ -364,7 +360,6 @@ class Deployment:
     precision: str = "bf16"  # slm: the task's precision (bf16, fp8-mlp, fp8-mlp-lmhead; slm_core.fp8)
     contexts: int = 0  # slm: request contexts per worker in TorchServe's async mode (0: sync mode)
     overlap: bool = True  # slm async: the contexts' calls overlap on the GPU (else take turns)
-    switch_interval_ms: float | None = None  # slm async: the worker's sys.setswitchinterval (None: Python's 5 ms)
 
 
 class Variant(NamedTuple):
@@ -381,7 +376,6 @@ class Variant(NamedTuple):
     ts_batch: int | None = None  # TorchServe's batchSize, when below `batch`
     contexts: int = 0  # async mode with N request contexts per worker
     serial: bool = False  # with contexts: calls take turns on the GPU
-    switch_interval_ms: float | None = None  # with contexts: the handler setting switch_interval_ms
     task: str | None = None  # "score" or "beam": the variant serves only that task's archives
 
 
@@ -401,13 +395,11 @@ def parse_variant(text: str) -> Variant:
             v = v._replace(ts_batch=int(o[3:]))
         elif re.fullmatch(r"ctx[1-9][0-9]*", o):
             v = v._replace(contexts=int(o[3:]))
-        elif re.fullmatch(r"swi[0-9]*\.?[0-9]+", o):
-            v = v._replace(switch_interval_ms=float(o[3:]))
         else:
             raise SystemExit(f"--slm {text}: unknown option {o!r} (nographs, lazy, topk, fp8, fp8head, gN, tsbN "
-                             "with N <= BATCH, ctxN, serial, swiMS, score, beam)")
-    if (v.serial or v.switch_interval_ms is not None) and not v.contexts:
-        raise SystemExit(f"--slm {text}: serial and swiMS set the async worker of request contexts: they need ctxN")
+                             "with N <= BATCH, ctxN, serial, score, beam)")
+    if v.serial and not v.contexts:
+        raise SystemExit(f"--slm {text}: serial orders the calls of request contexts: it needs ctxN")
     return v
 
 
@@ -459,16 +451,14 @@ def built_manifest(mar: Path) -> dict:
 
 
 def configured_copy(src: Path, dst: Path, workers: int = 1, cuda_graphs: bool = True, gpus: int = 1,
-                    ts_batch: int | None = None, lazy: bool = False, contexts: int = 0, overlap: bool = True,
-                    switch_interval_ms: float | None = None) -> None:
+                    ts_batch: int | None = None, lazy: bool = False, contexts: int = 0, overlap: bool = True) -> None:
     """A copy of the archive `src` configured as the archiver configures `workers` workers
     (archiver.build.admission: TorchServe's batch and the queue for an 80 ms deadline, from the
     full call timed at build), spread over GPUs 0..gpus-1 if gpus > 1; options: the handler's CUDA
     graphs off (cuda_graphs=False) or each captured on its first call, not at worker load (lazy);
     TorchServe hands a worker at most `ts_batch` requests at once (the graph still takes up to its
     max_batch); TorchServe's async mode with `contexts` request contexts per worker (archiver
-    --contexts), their calls taking turns on the GPU unless overlap (archiver --serial-calls), the
-    worker's switch interval set (handler setting switch_interval_ms)."""
+    --contexts), their calls taking turns on the GPU unless overlap (archiver --serial-calls)."""
     import zipfile
 
     with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as zout:
@@ -485,8 +475,6 @@ def configured_copy(src: Path, dst: Path, workers: int = 1, cuda_graphs: bool = 
                     handler["cuda_graphs"] = False
                 if lazy:
                     handler["capture_at_load"] = False
-                if switch_interval_ms is not None:
-                    handler["switch_interval_ms"] = switch_interval_ms
                 if gpus > 1:
                     config["deviceIds"] = list(range(gpus))
                 if contexts:
@@ -505,8 +493,7 @@ def served_settings(mar: Path, d: Deployment) -> dict:
     with zipfile.ZipFile(mar) as z:
         config = yaml.safe_load(z.read("model-config.yaml"))
     handler = config.get("handler") or {}
-    return {"ts_batch": config["batchSize"], "queue": handler.get("max_waiting", config["jobQueueSize"]),
-            "switch_interval_ms": handler.get("switch_interval_ms")}
+    return {"ts_batch": config["batchSize"], "queue": handler.get("max_waiting", config["jobQueueSize"])}
 
 
 def served_check(server: TorchServe, workload: str, bodies: list[dict], deployments: list[Deployment]) -> dict:

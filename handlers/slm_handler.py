@@ -15,7 +15,6 @@ import faulthandler
 import logging
 import resource
 import signal
-import sys
 import threading
 import time
 
@@ -79,12 +78,6 @@ class SlmHandler:
                      captured, time.perf_counter() - start, torch.cuda.memory_reserved(self.engine.device) / 2**30,
                      resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
         if asynchronous:  # its threads start serving now
-            # The context threads run Python (tokenize, decode, JSON) while TorchServe's receive,
-            # event-loop and send threads wait for the GIL; Python hands it over only every
-            # switch interval (5 ms by default) to a waiting thread.
-            interval_ms = settings.get("switch_interval_ms")
-            if interval_ms is not None:
-                sys.setswitchinterval(float(interval_ms) / 1e3)
             self.scheduler = Scheduler(self.engine, int(settings.get("max_waiting", 100)))
             from ts.async_service import AsyncService  # the worker starts it after initialize returns
 

@@ -124,6 +124,7 @@ def build_package(
                     lambda: fp8_gate(ckpt, runtime, compiled, fp8_max_diff, fp8_min_shared))
         progress(f"accuracy gate passed: {gate}")
     call_ms = step("timing calls at the token bounds (1, 2, 4 ... max_batch requests)", lambda: time_calls(compiled))
+    progress("calls at the token bounds: " + ", ".join(f"{b} request(s) {ms:.1f} ms" for b, ms in call_ms.items()))
     tokenizer.tokenizer.save(str(out_dir / TOKENIZER))
     manifest = {
         "format": FORMAT,

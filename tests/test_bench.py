@@ -108,7 +108,7 @@ def test_configured_copies_change_only_their_settings(tmp_path):
     """Each bench deployment serves a copy of the archive whose model-config.yaml is what the
     archiver writes for its workers (archiver.build.admission: TorchServe's batch and the queue
     for 80 ms, from the full call timed at build), with its options (:nographs, :lazy, :gN, :tsbN,
-    :ctxN, :serial, :swiMS); everything else in it is byte for byte the same."""
+    :ctxN, :serial); everything else in it is byte for byte the same."""
     import zipfile
 
     import yaml
@@ -145,7 +145,6 @@ def test_configured_copies_change_only_their_settings(tmp_path):
     assert config("ctx2", contexts=2) == model_config("cuda", 1, 60, batch=8, queue=7, device_ids=[0], contexts=2)
     assert config("ctx2s", contexts=2, overlap=False) == model_config("cuda", 1, 60, batch=8, queue=7, device_ids=[0],
                                                                       contexts=2, overlap=False)
-    assert config("swi", contexts=2, switch_interval_ms=0.5)["handler"]["switch_interval_ms"] == 0.5
 
 
 def test_variants_parse_options_and_refuse_unknown_ones():
@@ -161,12 +160,10 @@ def test_variants_parse_options_and_refuse_unknown_ones():
     assert parse_variant("triton:1:8:topk:ctx3") == Variant("triton", 1, 8, topk=True, contexts=3)
     assert parse_variant("triton:1:8:topk:ctx2:serial") == Variant("triton", 1, 8, topk=True, contexts=2, serial=True)
     assert parse_variant("triton:2:8:topk:beam").task == "beam" and parse_variant("triton:2:8").task is None
-    assert parse_variant("triton:1:4:ctx2:swi0.5").switch_interval_ms == 0.5
-    for needs_contexts in ("triton:2:8:serial", "triton:2:8:swi1"):
-        with pytest.raises(SystemExit, match="need ctxN"):
-            parse_variant(needs_contexts)
+    with pytest.raises(SystemExit, match="needs ctxN"):
+        parse_variant("triton:2:8:serial")
     for bad in ("triton:1:8:gpu2", "triton:1:8:g0", "triton:1:8:fast", "triton:1:8:tsb9", "triton:1:8:tsb0",
-                "triton:1:8:ctx0", "triton:1:8:ctx2:swi"):
+                "triton:1:8:ctx0", "triton:1:8:ctx2:swi0.5"):
         with pytest.raises(SystemExit, match="unknown option"):
             parse_variant(bad)
 
@@ -242,3 +239,23 @@ def test_loadgen_averages_the_handler_headers_and_counts_captures():
     assert point.completed >= 6 and point.errors == 0  # CI ran 10 in 0.5 s with the delayed ACKs
     assert (point.handler_ms, point.graph_ms, point.call_batch, point.wait_ms) == (3.0, 2.0, 2.0, 0.5)
     assert abs(point.captured - point.completed / 3) <= 2
+
+
+def test_reliability_judges_answers_under_load_against_the_answer_alone():
+    """bench.reliability: a valid request's answer under load is compared with its answer alone,
+    exactly (1e-5, the CPU default) or within its package's compiled-against-eager tolerance
+    (a batched bf16 call on the GPU rounds otherwise): score rows by their largest difference,
+    beam candidates by the share in common and their scores."""
+    from bench.reliability import Tolerance, difference, within
+
+    alone = {"labels": ["yes", "no"], "scores": [[0.5, 0.5], [0.2, 0.8]]}
+    batched = {"labels": ["yes", "no"], "scores": [[0.51, 0.49], [0.2, 0.8]]}
+    assert difference(alone, batched) == (pytest.approx(0.01), 1.0)
+    assert not within(alone, batched, Tolerance()) and within(alone, batched, Tolerance.of_precision("bf16"))
+    assert difference(alone, {"labels": ["no", "yes"], "scores": alone["scores"]})[0] == math.inf
+    beams = {"candidates": [{"token_ids": [1, 2], "score": -1.0}, {"token_ids": [3], "score": -2.0}]}
+    other = {"candidates": [{"token_ids": [1, 2], "score": -1.1}, {"token_ids": [4], "score": -2.0}]}
+    assert difference(beams, other) == (pytest.approx(0.1), 0.5)
+    assert within(beams, beams, Tolerance()) and not within(beams, other, Tolerance())
+    assert Tolerance.of_precision("bf16") == Tolerance(5e-2, 0.25, 0.75)
+    assert not within(beams, {"candidates": [{"token_ids": [5], "score": -1.0}] * 2}, Tolerance.of_precision("bf16"))

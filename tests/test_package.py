@@ -228,23 +228,6 @@ class MockContext:
         self.counters[name] = value
 
 
-def test_async_handler_sets_the_switch_interval(archives):
-    """Handler setting switch_interval_ms: the async worker's threads hand the GIL over that often
-    (Python's default is 5 ms); unset, the worker keeps the interpreter's."""
-    import sys
-
-    before = sys.getswitchinterval()
-    try:
-        for interval, expected in ((0.5, 0.0005), (None, 0.0005)):
-            ctx = MockContext(archives["tiny_score"])
-            ctx.model_yaml_config = {"asyncCommunication": True, "batchSize": 1,
-                                     "handler": {"contexts": 1, "switch_interval_ms": interval}}
-            SlmHandler().initialize(ctx)
-            assert sys.getswitchinterval() == pytest.approx(expected)
-    finally:
-        sys.setswitchinterval(before)
-
-
 def test_handler_batch_with_good_and_bad_requests(archives):
     ctx = MockContext(archives["tiny_score"])
     handler = SlmHandler()
