@@ -55,13 +55,7 @@ def main(argv: list[str] | None = None) -> int:
                         "at a time); N >= 1 in its async mode, N graph calls at once in one worker, each on its own "
                         "CUDA stream (slm_core.scheduler; the queue then waits inside the worker). Default 0: two sync "
                         "workers per GPU (archiver.build.serving_defaults says why)")
-    b.add_argument("--serial-calls", action="store_true",
-                   help="with --contexts N: the contexts' graph calls take turns on the GPU instead of overlapping; "
-                        "each call takes every request that queued during the previous one, and one context's "
-                        "host work (tokenize, decode, JSON) overlaps the next call")
     args = parser.parse_args(argv)
-    if args.serial_calls and not args.contexts:
-        parser.error("--serial-calls needs --contexts N (it orders the calls of a worker's request contexts)")
     if args.contexts is not None and args.contexts < 0:
         parser.error("--contexts must be 0 (sync) or a positive number of request contexts")
     if args.workers is not None and args.workers < 1:
@@ -75,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         build(args.checkpoint, args.task, args.model_name, args.export_path, args.device, args.workers,
               args.response_timeout, attention, args.batch_delay_ms, args.queue, args.cuda_graphs != "off",
               args.deadline_ms, topk, args.device_ids, args.cuda_graphs == "on", args.fp8_max_diff,
-              args.fp8_min_shared, args.contexts, not args.serial_calls)
+              args.fp8_min_shared, args.contexts)
     except (SpecError, FileNotFoundError) as e:
         print(f"slm-archiver: error: {e}", file=sys.stderr)
         return 2

@@ -29,7 +29,7 @@ def progress(message: str) -> None:
 
 def model_config(device: str, workers: int, response_timeout: int, batch: int = 1, batch_delay_ms: int = 1,
                  queue: int = 100, cuda_graphs: bool = True, device_ids: list[int] | None = None,
-                 capture_at_load: bool = True, contexts: int = 0, overlap: bool = True) -> dict:
+                 capture_at_load: bool = True, contexts: int = 0) -> dict:
     """TorchServe's per-model settings (model-config.yaml). A worker takes up to `batch` queued
     requests at once and waits at most `batch_delay_ms` for more: with 1 ms, what is queued goes
     at once (TorchServe 0.12 stops collecting after one extra request when the delay is 0). At
@@ -41,9 +41,7 @@ def model_config(device: str, workers: int, response_timeout: int, batch: int = 
     async mode with that many request contexts (slm_core.scheduler), and `queue` bounds the
     requests waiting inside it (TorchServe's own queue never fills in that mode); TorchServe then
     hands requests over one at a time (its 0.12 async batching breaks on a second request, FACTS.md)
-    and the worker batches them itself (overlap=False: its calls take turns on the GPU, each taking
-    what queued during the previous one, slm_core.scheduler). A worker has 10
-    minutes to load (TorchServe's default of 2 is near a CUDA worker's captures at load)."""
+    and the worker batches them itself. A worker has 10 minutes to load (TorchServe's default of 2 is near a CUDA worker's captures at load)."""
     config = {
         "minWorkers": workers,
         "maxWorkers": workers,
@@ -56,16 +54,14 @@ def model_config(device: str, workers: int, response_timeout: int, batch: int = 
         **({"deviceIds": list(device_ids)} if device_ids and device.startswith("cuda") else {}),
         "handler": {"cuda_graphs": cuda_graphs, "capture_at_load": cuda_graphs and capture_at_load},
     }
-    return serve_async(config, contexts, overlap) if contexts else config
+    return serve_async(config, contexts) if contexts else config
 
 
-def serve_async(config: dict, contexts: int, overlap: bool = True) -> dict:
+def serve_async(config: dict, contexts: int) -> dict:
     """A model-config in TorchServe's async mode with `contexts` request contexts per worker: one
     request at a time from TorchServe (batchSize 1; the worker batches), and its jobQueueSize as
-    the bound of requests waiting inside the worker. overlap=False: the contexts' calls take turns
-    on the GPU (slm_core.engine.Engine.turn)."""
-    handler = {**(config.get("handler") or {}), "contexts": contexts, "max_waiting": config["jobQueueSize"],
-               "overlap": overlap}
+    the bound of requests waiting inside the worker."""
+    handler = {**(config.get("handler") or {}), "contexts": contexts, "max_waiting": config["jobQueueSize"]}
     return {**config, "asyncCommunication": True, "batchSize": 1, "handler": handler}
 
 
@@ -73,14 +69,14 @@ def serving_defaults(device: str, task: TaskSpec, gpus: int = 1) -> tuple[int, i
     """(workers, request contexts per worker) when the archiver is not told: two sync workers per
     GPU of `--device-ids`, score and beam alike; CPU builds (development) one sync worker.
 
-    Beam: the fastest on the H200 (bench/RESULTS.md, runs 200552Z and 234007Z): W2 264.0-300.0 and
-    W3 109.3-115.3 req/s at the SLO, against 157.3 / 105.3 for an async worker with 2 contexts
-    (TorchServe's batching puts 2-3 requests in a call, almost free for beams) and 206.7 / 75.3
-    with the contexts' calls taking turns. Score: an async worker with 2 contexts serves more
-    (W1 236.7-257.7 against 203.3), but under 3x overload on the H200 (run 234007Z) it answered
-    nothing for 80 s, every request refused, its worker apparently reloading; two sync workers
-    refused the excess in ~1 ms and recovered at once. Until that is understood, async is
-    `--contexts 2`, chosen knowingly."""
+    Beam: the fastest on the H200 (bench/RESULTS.md, runs 200552Z to 015205Z): W2 257.7-300.0 and
+    W3 109.3-150.7 req/s at the SLO, against 157.3-166.0 / 102.7-105.3 for an async worker with 2
+    contexts (TorchServe's batching puts 2-3 requests in a call, almost free for beams). Score: an
+    async worker with 2 contexts serves more (W1 236.7-257.7 against 203.3-211.0), but at 3x
+    overload its refusals take 17-37 ms (they travel the async path) and its admitted P99 was
+    86 ms, against 1.2 ms and 60 ms for two sync workers (run 015205Z); in run 234007Z it refused
+    everything for 80 s, its worker apparently reloading (not recurred, not explained). So async
+    is `--contexts 2`, chosen knowingly."""
     if not device.startswith("cuda"):
         return 1, 0
     return 2 * gpus, 0
@@ -140,7 +136,7 @@ def build(
     workers: int | None = None, response_timeout: int = 120, attention: str = "reference", batch_delay_ms: int = 1,
     queue: int | None = None, cuda_graphs: bool = True, deadline_ms: float | None = None, topk: str = "torch",
     device_ids: list[int] | None = None, capture_at_load: bool = True, fp8_max_diff: float = FP8_MAX_DIFF,
-    fp8_min_shared: float = FP8_MIN_SHARED, contexts: int | None = None, overlap: bool = True,
+    fp8_min_shared: float = FP8_MIN_SHARED, contexts: int | None = None,
 ) -> Path:
     """Build `model_name`.mar into export_path; workers and contexts left None take
     serving_defaults."""
@@ -177,11 +173,10 @@ def build(
             shutil.copytree(src, stage / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         config = Path(tmp) / "model-config.yaml"
         settings = model_config(device, workers, response_timeout, batch, batch_delay_ms, queue, cuda_graphs,
-                                device_ids, capture_at_load, contexts, overlap)
+                                device_ids, capture_at_load, contexts)
         config.write_text(yaml.safe_dump(settings, sort_keys=False))
-        progress(f"serving: {workers} worker(s), " + (f"async mode with {contexts} request contexts each"
-                                                     + ("" if overlap else ", calls taking turns on the GPU")
-                                                     if contexts else "sync mode"))
+        progress(f"serving: {workers} worker(s), "
+                 + (f"async mode with {contexts} request contexts each" if contexts else "sync mode"))
         progress(f"writing {export / (model_name + '.mar')}")
         generate_model_archive(ModelArchiverConfig(
             model_name=model_name,

@@ -151,7 +151,6 @@ def main() -> None:
                                  "tsbN (TorchServe hands a worker at most N < BATCH requests at once, so that they "
                                  "spread over more workers), e.g. triton:4:8:g2:tsb2, ctxN (TorchServe's async mode, "
                                  "N request contexts per worker: archiver --contexts N), e.g. triton:1:8:topk:ctx3, "
-                                 "serial (with ctxN: the contexts' calls take turns on the GPU, archiver --serial-calls), "
                                  "score / beam (the variant serves only that task's archives). "
                                  "Default: triton:1:1,triton:1:1:nographs on cuda, reference:1:1 on cpu")
     p.add_argument("--levels", default=",".join(map(str, LEVELS)), help="concurrency levels swept")
@@ -202,14 +201,14 @@ def main() -> None:
                                                             v.attention, work, "triton" if topk else "torch")):
                     builds[mar] = argv
                 # served from a copy of the archive configured as the archiver would for these workers
-                # and options (configured_copy): nographs, lazy, gN, tsbN, ctxN, serial
+                # and options (configured_copy): nographs, lazy, gN, tsbN, ctxN
                 served = mar + ("_nographs" if v.nographs else "") + ("_lazy" if v.lazy else "") + (
                     f"_g{v.gpus}" if v.gpus > 1 else "") + (f"_tsb{v.ts_batch}" if v.ts_batch else "") + (
-                    f"_ctx{v.contexts}" if v.contexts else "") + ("_serial" if v.serial else "")
+                    f"_ctx{v.contexts}" if v.contexts else "")
                 d = Deployment("slm", f"{served}_x{v.workers}", f"{served}_x{v.workers}.mar", v.workers, v.attention,
                                v.batch, cuda_graphs=not v.nographs, topk=topk, gpus=v.gpus, built=f"{mar}.mar",
                                ts_batch=v.ts_batch, capture_at_load=not v.lazy and not v.nographs, precision=precision,
-                               contexts=v.contexts, overlap=not v.serial)
+                               contexts=v.contexts)
                 if d not in deployments:
                     deployments.append(d)
         if "hf" in systems and w.task.get("head", "labels") == "labels":  # the peer scores label tokens only
@@ -225,7 +224,7 @@ def main() -> None:
     for d in deployments:
         if d.built and d.mar != d.built and not (store / d.mar).exists() and (store / d.built).exists():
             configured_copy(store / d.built, store / d.mar, d.workers, d.cuda_graphs, d.gpus, d.ts_batch,
-                            lazy=d.cuda_graphs and not d.capture_at_load, contexts=d.contexts, overlap=d.overlap)
+                            lazy=d.cuda_graphs and not d.capture_at_load, contexts=d.contexts)
     deployments = [d for d in deployments if d.system != "slm" or (store / d.mar).exists()]
     gates = {d.built: built_manifest(store / d.built).get("fp8_gate") for d in deployments if d.system == "slm"}
     for name, gate in gates.items():
@@ -246,7 +245,7 @@ def main() -> None:
         before, totals[d.name] = totals.get(d.name, {}), frontend_totals(server, d.name)
         rec = {"system": d.system, "attention": d.attention, "batch": d.batch, "cuda_graphs": d.cuda_graphs,
                "capture_at_load": d.capture_at_load, "topk": d.topk, "gpus": d.gpus, "worker_gpus": placed.get(d.name),
-               **served_settings(store / d.mar, d), "contexts": d.contexts, "overlap": d.overlap,
+               **served_settings(store / d.mar, d), "contexts": d.contexts,
                "workload": workload, **frontend_means(before, totals[d.name]),
                "workers": d.workers, **dataclasses.asdict(point), **meta, "flops_per_request": flops_per_request,
                "precision": d.precision, "fp8_flops_per_request": fp8_per_request, "fp8_gate": gates.get(d.built),
@@ -359,7 +358,6 @@ class Deployment:
     capture_at_load: bool = False  # slm on CUDA: every CUDA-graph bucket captured at worker load (else on first call)
     precision: str = "bf16"  # slm: the task's precision (bf16, fp8-mlp, fp8-mlp-lmhead; slm_core.fp8)
     contexts: int = 0  # slm: request contexts per worker in TorchServe's async mode (0: sync mode)
-    overlap: bool = True  # slm async: the contexts' calls overlap on the GPU (else take turns)
 
 
 class Variant(NamedTuple):
@@ -375,7 +373,6 @@ class Variant(NamedTuple):
     gpus: int = 1
     ts_batch: int | None = None  # TorchServe's batchSize, when below `batch`
     contexts: int = 0  # async mode with N request contexts per worker
-    serial: bool = False  # with contexts: calls take turns on the GPU
     task: str | None = None  # "score" or "beam": the variant serves only that task's archives
 
 
@@ -383,7 +380,7 @@ def parse_variant(text: str) -> Variant:
     attention, workers, batch, *options = text.split(":")
     v = Variant(attention, int(workers), int(batch))
     for o in options:
-        if o in ("nographs", "lazy", "topk", "serial"):
+        if o in ("nographs", "lazy", "topk"):
             v = v._replace(**{o: True})
         elif o in ("score", "beam"):
             v = v._replace(task=o)
@@ -397,9 +394,7 @@ def parse_variant(text: str) -> Variant:
             v = v._replace(contexts=int(o[3:]))
         else:
             raise SystemExit(f"--slm {text}: unknown option {o!r} (nographs, lazy, topk, fp8, fp8head, gN, tsbN "
-                             "with N <= BATCH, ctxN, serial, score, beam)")
-    if v.serial and not v.contexts:
-        raise SystemExit(f"--slm {text}: serial orders the calls of request contexts: it needs ctxN")
+                             "with N <= BATCH, ctxN, score, beam)")
     return v
 
 
@@ -451,14 +446,14 @@ def built_manifest(mar: Path) -> dict:
 
 
 def configured_copy(src: Path, dst: Path, workers: int = 1, cuda_graphs: bool = True, gpus: int = 1,
-                    ts_batch: int | None = None, lazy: bool = False, contexts: int = 0, overlap: bool = True) -> None:
+                    ts_batch: int | None = None, lazy: bool = False, contexts: int = 0) -> None:
     """A copy of the archive `src` configured as the archiver configures `workers` workers
     (archiver.build.admission: TorchServe's batch and the queue for an 80 ms deadline, from the
     full call timed at build), spread over GPUs 0..gpus-1 if gpus > 1; options: the handler's CUDA
     graphs off (cuda_graphs=False) or each captured on its first call, not at worker load (lazy);
     TorchServe hands a worker at most `ts_batch` requests at once (the graph still takes up to its
     max_batch); TorchServe's async mode with `contexts` request contexts per worker (archiver
-    --contexts), their calls taking turns on the GPU unless overlap (archiver --serial-calls)."""
+    --contexts)."""
     import zipfile
 
     with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as zout:
@@ -478,7 +473,7 @@ def configured_copy(src: Path, dst: Path, workers: int = 1, cuda_graphs: bool = 
                 if gpus > 1:
                     config["deviceIds"] = list(range(gpus))
                 if contexts:
-                    config = serve_async(config, contexts, overlap)
+                    config = serve_async(config, contexts)
                 data = yaml.safe_dump(config, sort_keys=False).encode()
             zout.writestr(item, data)
 

@@ -6,8 +6,7 @@ Two ways to run, set in the archive's model-config.yaml (archiver --contexts):
 - sync (TorchServe's default): the worker gets one batch at a time and makes it one graph call;
 - async (`asyncCommunication: true`, handler setting `contexts` >= 1): the worker takes requests as
   they come, and slm_core.scheduler runs them on `contexts` request contexts at once, each on its
-  own CUDA stream, refusing with 503 beyond `max_waiting` queued requests; with `overlap: false`
-  (archiver --serial-calls) the calls take turns on the GPU and each takes what queued meanwhile.
+  own CUDA stream, refusing with 503 beyond `max_waiting` queued requests.
 """
 
 import asyncio
@@ -64,13 +63,11 @@ class SlmHandler:
         if asynchronous and config.get("batchSize", 1) != 1:  # the frontend's worker thread dies on the 2nd
             raise SpecError("asyncCommunication needs batchSize: 1 (TorchServe 0.12's async batching fails a "
                             "batch of two; this worker batches requests itself): rebuild with archiver --contexts")
-        overlap = bool(settings.get("overlap", True))
         self.engine = load_package(props["model_dir"], props.get("gpu_id"), settings.get("cuda_graphs", True),
-                                   contexts, overlap)
+                                   contexts)
         replays = self.engine.contexts[0].replay is not None
-        log.info("loaded %s task on %s (CUDA graphs: %s, %s mode, %d request context(s)%s)", self.engine.task.task,
-                 self.engine.device, replays, "async" if asynchronous else "sync", contexts,
-                 "" if overlap or contexts == 1 else ", calls taking turns on the device")
+        log.info("loaded %s task on %s (CUDA graphs: %s, %s mode, %d request context(s))", self.engine.task.task,
+                 self.engine.device, replays, "async" if asynchronous else "sync", contexts)
         if replays and settings.get("capture_at_load", False):  # archiver --cuda-graphs on
             start = time.perf_counter()
             captured = capture_all(self.engine)

@@ -8,7 +8,6 @@
 
 import contextlib
 import queue
-import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -75,12 +74,10 @@ class Engine:
     """Runs one task's graph. Each call takes a free request context (Context) and holds it to the
     end, so as many calls run at once as there are contexts (one per entry of `replays`), each on
     its own CUDA stream; more wait for one. `graph` must accept calls from several threads at once
-    when there are several contexts (slm_core.package serialises an AOTInductor runner's).
-    overlap=False makes the calls take turns on the device (turn()): one context's call runs on the
-    GPU while the others pack their inputs or read out their results."""
+    when there are several contexts (slm_core.package serialises an AOTInductor runner's)."""
 
     def __init__(self, graph: torch.nn.Module, tokenizer: PackedTokenizer, task: TaskSpec, runtime: RuntimeSpec,
-                 replays: Sequence = (None,), overlap: bool = True):
+                 replays: Sequence = (None,)):
         self.graph = graph
         self.tokenizer = tokenizer
         self.task = task
@@ -89,8 +86,6 @@ class Engine:
         self._free: queue.SimpleQueue[Context] = queue.SimpleQueue()
         for context in self.contexts:
             self._free.put(context)
-        self._device_turn = None if overlap else threading.Lock()
-        self._holder = threading.local()  # whether this thread holds the device turn
 
     @classmethod
     def from_checkpoint(
@@ -163,27 +158,6 @@ class Engine:
             for ctx in held:
                 self._free.put(ctx)
 
-    @contextlib.contextmanager
-    def turn(self):
-        """With overlap=False: wait until no other call is on the device, and hold it until this
-        thread's next call has its outputs on the host (or the block ends). slm_core.scheduler takes
-        its turn before it takes requests from its queue, so everything that queued while the
-        previous call ran rides in the next one. With overlap (the default) it does nothing."""
-        if self._device_turn is None:
-            yield
-            return
-        self._device_turn.acquire()
-        self._holder.on = True
-        try:
-            yield
-        finally:
-            self._end_turn()
-
-    def _end_turn(self) -> None:
-        if getattr(self._holder, "on", False):
-            self._holder.on = False
-            self._device_turn.release()
-
     def _call(self, requests: list[object], pack) -> tuple[list, list, float, bool]:
         """Pack each request behind the ones before it and run the graph once for all of them.
         pack(request, ids_out, cu_out) writes one request's ids and its own boundaries (from 0)
@@ -224,7 +198,6 @@ class Engine:
             out = self.graph(ctx.ids[:t].to(self.device, non_blocking=True),
                              ctx.cu[: n + 1].to(self.device, non_blocking=True))
         outputs = [x.cpu().tolist() for x in ((out,) if isinstance(out, torch.Tensor) else out)]
-        self._end_turn()  # the outputs are on the host: the next call may take the device
         captured = replay is not None and len(replay.graphs) > captured_before
         return spans, outputs, (time.perf_counter() - start) * 1e3, captured
 

@@ -297,10 +297,9 @@ def _fits(tokenizer: PackedTokenizer, text: str) -> bool:
 
 
 def load_package(model_dir: str | Path, gpu_id: int | None = None, cuda_graphs: bool = True,
-                 contexts: int = 1, overlap: bool = True) -> Engine:
+                 contexts: int = 1) -> Engine:
     """The Engine of a built package, on `cuda:{gpu_id}` for CUDA builds (replaying CUDA graphs
-    unless cuda_graphs is False), with `contexts` request contexts (calls that may run at once, on
-    the GPU too unless overlap is False: Engine.turn).
+    unless cuda_graphs is False), with `contexts` request contexts (calls that may run at once).
     Refuses, with the reason, a package built for another device type, torch version or GPU
     architecture."""
     model_dir = Path(model_dir)
@@ -325,9 +324,9 @@ def load_package(model_dir: str | Path, gpu_id: int | None = None, cuda_graphs: 
     runtime = RuntimeSpec(str(device), manifest.get("attention", "reference"), manifest.get("topk", "torch"))
     path = str(model_dir / manifest["graph"]["file"])
     if device.type == "cuda":
-        return _cuda_engine(path, tokenizer, task, runtime, device, cuda_graphs, contexts, overlap)
+        return _cuda_engine(path, tokenizer, task, runtime, device, cuda_graphs, contexts)
     # a CPU package's runner has its own lock: contexts take turns on it
-    return Engine(torch._inductor.aoti_load_package(path), tokenizer, task, runtime, [None] * contexts, overlap)
+    return Engine(torch._inductor.aoti_load_package(path), tokenizer, task, runtime, [None] * contexts)
 
 
 def worker_device(gpu_id: int | None) -> torch.device:
@@ -345,7 +344,7 @@ def worker_device(gpu_id: int | None) -> torch.device:
 
 
 def _cuda_engine(path: str, tokenizer: PackedTokenizer, task: TaskSpec, runtime: RuntimeSpec, device: torch.device,
-                 cuda_graphs: bool, contexts: int = 1, overlap: bool = True) -> Engine:
+                 cuda_graphs: bool, contexts: int = 1) -> Engine:
     """A CUDA package's Engine with `contexts` request contexts; with cuda_graphs, its calls replay
     CUDA graphs (slm_core.replay), one set per context, which needs the package loaded
     single-threaded (FACTS.md): its one runner then takes one call at a time (OneAtATime). Replays
@@ -353,9 +352,9 @@ def _cuda_engine(path: str, tokenizer: PackedTokenizer, task: TaskSpec, runtime:
     index = torch.cuda.current_device() if device.index is None else device.index  # AOTI takes no None
     graph = torch._inductor.aoti_load_package(path, run_single_threaded=cuda_graphs, device_index=index)
     if not cuda_graphs:
-        return Engine(graph, tokenizer, task, runtime, [None] * contexts, overlap)
+        return Engine(graph, tokenizer, task, runtime, [None] * contexts)
     graph = OneAtATime(graph)
-    return Engine(graph, tokenizer, task, runtime, [CudaGraphs(graph, task, device) for _ in range(contexts)], overlap)
+    return Engine(graph, tokenizer, task, runtime, [CudaGraphs(graph, task, device) for _ in range(contexts)])
 
 
 class OneAtATime:

@@ -6,10 +6,7 @@ worker holds several request contexts (slm_core.engine.Context, each with its ow
 CUDA graphs) and the requests of any number of TorchServe batches go into one queue. One thread per
 context takes everything queued, up to the task's max_batch, as its next graph call: calls of
 different contexts overlap on the GPU, and one context's host work (parse, tokenize, decode, JSON)
-overlaps the others' GPU work. With an engine whose calls take turns (Engine overlap=False, the
-handler setting `overlap: false`), a context thread first waits for the device, then takes what
-queued meanwhile: the calls do not overlap on the GPU, but each carries every request that
-arrived during the previous one, and host work still overlaps the next call.
+overlaps the others' GPU work.
 
 Admission: a request that finds `max_waiting` others queued is answered 503 at once; TorchServe's
 own queue does not hold it back in this mode (archiver: sized from the deadline like jobQueueSize).
@@ -68,19 +65,18 @@ class Scheduler:
         """One context's thread. Nothing may end it: a request whose thread died would wait forever."""
         batch_limit = self.engine.task.max_batch
         while True:
-            with self.engine.turn():  # an engine whose calls take turns: after the previous call's GPU work
-                with self._ready:
-                    while not self._queue:
-                        self._ready.wait()
-                    batch = [self._queue.popleft() for _ in range(min(len(self._queue), batch_limit))]
-                # a future cancelled while it waited (its client went away) is dropped, not run
-                batch = [item for item in batch if item[1].set_running_or_notify_cancel()]
-                start = time.perf_counter()
-                try:
-                    replies = respond_batch(self.engine, [request for request, _, _ in batch])
-                except Exception:  # respond_batch answers bad input itself: this is a bug; no request may hang
-                    log.exception("a call failed outside the protocol's own error handling")
-                    replies = [error(500, "internal error while running the request")] * len(batch)
-                handler_ms = (time.perf_counter() - start) * 1e3
+            with self._ready:
+                while not self._queue:
+                    self._ready.wait()
+                batch = [self._queue.popleft() for _ in range(min(len(self._queue), batch_limit))]
+            # a future cancelled while it waited (its client went away) is dropped, not run
+            batch = [item for item in batch if item[1].set_running_or_notify_cancel()]
+            start = time.perf_counter()
+            try:
+                replies = respond_batch(self.engine, [request for request, _, _ in batch])
+            except Exception:  # respond_batch answers bad input itself: this is a bug; no request may hang
+                log.exception("a call failed outside the protocol's own error handling")
+                replies = [error(500, "internal error while running the request")] * len(batch)
+            handler_ms = (time.perf_counter() - start) * 1e3
             for (_, future, queued), reply in zip(batch, replies):
                 future.set_result(Served(reply, (start - queued) * 1e3, handler_ms))

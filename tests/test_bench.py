@@ -108,7 +108,7 @@ def test_configured_copies_change_only_their_settings(tmp_path):
     """Each bench deployment serves a copy of the archive whose model-config.yaml is what the
     archiver writes for its workers (archiver.build.admission: TorchServe's batch and the queue
     for 80 ms, from the full call timed at build), with its options (:nographs, :lazy, :gN, :tsbN,
-    :ctxN, :serial); everything else in it is byte for byte the same."""
+    :ctxN); everything else in it is byte for byte the same."""
     import zipfile
 
     import yaml
@@ -141,10 +141,8 @@ def test_configured_copies_change_only_their_settings(tmp_path):
     assert config("lazy", lazy=True)["handler"] == {"cuda_graphs": True, "capture_at_load": False}
     assert config("g2", workers=4, gpus=2) == {**base(4, 4, 22), "deviceIds": [0, 1]}  # 2 GPUs: twice the queue
     assert config("tsb2", workers=2, ts_batch=2) == base(2, 2, 9)
-    # as the archiver writes it with --contexts 2 (--serial-calls), the queue inside the worker
+    # as the archiver writes it with --contexts 2, the queue inside the worker
     assert config("ctx2", contexts=2) == model_config("cuda", 1, 60, batch=8, queue=7, device_ids=[0], contexts=2)
-    assert config("ctx2s", contexts=2, overlap=False) == model_config("cuda", 1, 60, batch=8, queue=7, device_ids=[0],
-                                                                      contexts=2, overlap=False)
 
 
 def test_variants_parse_options_and_refuse_unknown_ones():
@@ -158,12 +156,9 @@ def test_variants_parse_options_and_refuse_unknown_ones():
     assert parse_variant("triton:2:8:topk:fp8head").precision == "fp8-mlp-lmhead"
     assert parse_variant("triton:2:8").precision is None  # the workload's own
     assert parse_variant("triton:1:8:topk:ctx3") == Variant("triton", 1, 8, topk=True, contexts=3)
-    assert parse_variant("triton:1:8:topk:ctx2:serial") == Variant("triton", 1, 8, topk=True, contexts=2, serial=True)
     assert parse_variant("triton:2:8:topk:beam").task == "beam" and parse_variant("triton:2:8").task is None
-    with pytest.raises(SystemExit, match="needs ctxN"):
-        parse_variant("triton:2:8:serial")
     for bad in ("triton:1:8:gpu2", "triton:1:8:g0", "triton:1:8:fast", "triton:1:8:tsb9", "triton:1:8:tsb0",
-                "triton:1:8:ctx0", "triton:1:8:ctx2:swi0.5"):
+                "triton:1:8:ctx0", "triton:1:8:ctx2:serial"):
         with pytest.raises(SystemExit, match="unknown option"):
             parse_variant(bad)
 

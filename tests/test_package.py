@@ -171,7 +171,7 @@ class FakeCuda:
         monkeypatch.setattr(torch._inductor, "aoti_load_package",
                             lambda path, **kw: self.record("load", kw) or "graph")
         monkeypatch.setattr(package, "CudaGraphs", lambda graph, task, device: self.record("replay", device) or "replay")
-        monkeypatch.setattr(package, "Engine", lambda graph, tok, task, runtime, replays=(None,), overlap=True:
+        monkeypatch.setattr(package, "Engine", lambda graph, tok, task, runtime, replays=(None,):
                             self.record("engine", (getattr(graph, "fn", graph), runtime.device, list(replays)))
                             or SimpleNamespace(task=task, device=torch.device(runtime.device),
                                                contexts=[SimpleNamespace(replay=r) for r in replays]))
@@ -286,12 +286,9 @@ def test_archiver_contexts_write_async_mode_and_defaults_follow_the_h200(capsys)
 
     config = model_config("cpu", 1, 60, batch=8, queue=20, contexts=3)
     assert config["asyncCommunication"] is True and config["batchSize"] == 1
-    assert config["handler"] == {"cuda_graphs": True, "capture_at_load": True, "contexts": 3, "max_waiting": 20,
-                                 "overlap": True}
-    assert model_config("cpu", 1, 60, batch=8, contexts=2, overlap=False)["handler"]["overlap"] is False
+    assert config["handler"] == {"cuda_graphs": True, "capture_at_load": True, "contexts": 3, "max_waiting": 20}
     assert "asyncCommunication" not in model_config("cpu", 1, 60, batch=8) and model_config("cpu", 1, 60, batch=8)["batchSize"] == 8
-    for argv, message in ((["--workers", "0"], "at least 1"), (["--contexts", "-1"], "must be 0"),
-                          (["--serial-calls"], "needs --contexts")):
+    for argv, message in ((["--workers", "0"], "at least 1"), (["--contexts", "-1"], "must be 0")):
         with pytest.raises(SystemExit):
             main(["build", "--checkpoint", "x", "--task", "t.yaml", "--model-name", "m", "--export-path", "o", *argv])
         assert message in capsys.readouterr().err
