@@ -76,7 +76,7 @@ def prefix_suffix_attention(
     num_stages: int = 3,
 ) -> torch.Tensor:
     """q: [B*W, Hq, D]; k/v_prefix: [T, Hkv, D] with prompt b at rows prefix_cu[b]..prefix_cu[b+1]-1;
-    k/v_suffix: [B*W, S, Hkv, D]; prefix_cu: [B+1] int32. Returns [B*W, Hq, D]. block_w: beams per
+    k/v_suffix: [B*W, S, Hkv, D], S >= 0; prefix_cu: [B+1] int32. Returns [B*W, Hq, D]. block_w: beams per
     program; 0 picks 64 M rows (beams x query heads per kv head, padded to a power of two), the
     fastest on the H200 at W=100 and 400 (bench/RESULTS.md: 2.6-3x over 128 rows)."""
     rows, hq, d = q.shape
@@ -93,8 +93,11 @@ def prefix_suffix_attention(
     block_w = block_w or max(1, 64 // group_pad)
     out = torch.empty_like(q)
     grid = (triton.cdiv(width, block_w), hkv, prompts)
+    # No suffix (a prefill's last layer, one row per sequence): its K/V are never read, but an empty
+    # CUDA tensor's pointer is null, which a kernel launch may refuse; the prefix's stands in.
+    ks, vs = (k_prefix, v_prefix) if s == 0 else (k_suffix, v_suffix)
     wrap_triton(_prefix_attention_kernel)[grid](
-        q, k_prefix, v_prefix, k_suffix, v_suffix, out, prefix_cu, scale, width,
+        q, k_prefix, v_prefix, ks, vs, out, prefix_cu, scale, width,
         q.stride(0), q.stride(1), k_prefix.stride(0), k_prefix.stride(1), v_prefix.stride(0), v_prefix.stride(1),
         k_suffix.stride(0), k_suffix.stride(1), k_suffix.stride(2), v_suffix.stride(0), v_suffix.stride(1),
         v_suffix.stride(2), out.stride(0), out.stride(1),

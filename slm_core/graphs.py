@@ -40,7 +40,7 @@ class ScoreGraph(nn.Module):
     def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """input_ids: [T] int32 packed; cu_seqlens: [N+1] int32. Returns [N, n_labels] fp32."""
         hidden, _ = self.model.prefill(input_ids, cu_seqlens)
-        last = self.model.norm(hidden.index_select(0, cu_seqlens[1:] - 1))  # [N, hidden]
+        last = self.model.norm(hidden)  # [N, hidden]: each text's last token
         row = F.linear(last.to(self.head_weight.dtype), self.head_weight, self.head_bias).float()
         return row if self.logits else torch.softmax(row, dim=-1)
 
@@ -95,7 +95,7 @@ class BeamGraph(nn.Module):
         w, n, dev = self.width, self.new_tokens, input_ids.device
         b = cu_seqlens.shape[0] - 1
         hidden, prefix = self.model.prefill(input_ids, cu_seqlens)  # prompt K/V: once, [T, Hkv, D] per layer
-        logits = self.model.logits(hidden.index_select(0, cu_seqlens[1:] - 1))  # [B, V]: each prompt's last token
+        logits = self.model.logits(hidden)  # [B, V]: each prompt's last token
         prompt_len = (cu_seqlens[1:] - cu_seqlens[:-1]).long()[:, None].expand(b, w).reshape(-1)  # [B*W]
 
         history = torch.zeros(b, 1, 0, dtype=torch.int64, device=dev)  # running beams' tokens [B, K, step-1]

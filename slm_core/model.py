@@ -1,6 +1,7 @@
 """Llama / Qwen2 / Qwen3 decoder in packed layout: every linear sees exactly the real tokens.
 
-Prefill runs over `[ΣL, hidden]` with `cu_seqlens` marking the sequences; decode runs the W beams
+Prefill runs over `[ΣL, hidden]` with `cu_seqlens` marking the sequences, its last layer past q/k/v
+over each sequence's last token only (all that is read of it); decode runs the W beams
 of each of B prompts, which share their prompt's K/V (packed `[ΣLp, kv_heads, d]`, stored once)
 and each own a suffix K/V (`[B*W, S, kv_heads, d]`). The module knows nothing of tasks, search or
 quantisation.
@@ -78,6 +79,15 @@ class Attention(nn.Module):
         o = self.ops.packed_attention(q, k, v, cu_seqlens, self.scale, self.max_seqlen)
         return self.o(o.flatten(1)), (k, v)
 
+    def prefill_at(self, x, cos, sin, cu_seqlens, rows) -> tuple[torch.Tensor, KV]:
+        """prefill's output at `rows` only (each sequence's last token): K/V for every token, but
+        only those rows' queries attend, each over its whole sequence (the decode kernel with one
+        beam per sequence and no suffix)."""
+        q, k, v = self.project(x, cos, sin)
+        none = k.new_empty(rows.shape[0], 0, *k.shape[1:])  # no generated tokens
+        o = self.ops.prefix_attention(q.index_select(0, rows), k, v, none, none, self.scale, cu_seqlens)
+        return self.o(o.flatten(1)), (k, v)
+
     def decode(self, x, cos, sin, prefix: KV, prefix_cu, suffix: KV | None) -> tuple[torch.Tensor, KV]:
         q, k, v = self.project(x, cos, sin)  # one new token per beam: [B*W, H, D]
         k, v = k[:, None], v[:, None]  # [B*W, 1, Hkv, D]
@@ -106,9 +116,12 @@ class Block(nn.Module):
         self.post_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec, ops.silu_mul)
 
-    def run(self, x: torch.Tensor, attend: Callable[[torch.Tensor], tuple[torch.Tensor, KV]]):
+    def run(self, x: torch.Tensor, attend: Callable[[torch.Tensor], tuple[torch.Tensor, KV]],
+            rows: torch.Tensor | None = None):
+        """The block over x [T, hidden]; with `rows`, its output at those rows only (attend must
+        then answer for them only)."""
         a, kv = attend(self.input_norm(x))
-        x = x + a
+        x = (x if rows is None else x.index_select(0, rows)) + a
         return x + self.mlp(self.post_norm(x)), kv
 
 
@@ -153,17 +166,23 @@ class Transformer(nn.Module):
         return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
     def prefill(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, list[KV]]:
-        """input_ids: [T] packed; cu_seqlens: [N+1] int32. Returns hidden [T, hidden] before the
-        final norm and each layer's K/V ([T, Hkv, D] each)."""
+        """input_ids: [T] packed; cu_seqlens: [N+1] int32. Returns the hidden state of each
+        sequence's last token [N, hidden] before the final norm (all the graphs read) and each
+        layer's K/V ([T, Hkv, D] each). The last layer runs its attention output, MLP and
+        residuals at those N tokens only (W1: ~3 % of a request's FLOPs saved)."""
         idx = torch.arange(input_ids.shape[0], device=input_ids.device, dtype=cu_seqlens.dtype)
         seq = sequence_of_tokens(cu_seqlens, input_ids.shape[0])
         x = self.embed(input_ids)
         # Per-sequence positions. A CUDA-graph bucket's padding tail (slm_core.replay) belongs to no
         # sequence: its positions count on from the last boundary and are clamped to the table.
         cos, sin = self._rope((idx - cu_seqlens[seq]).clamp_max(self.max_positions - 1), x.dtype)
+        last = (cu_seqlens[1:] - 1).long()
         kvs = []
-        for layer in self.layers:
-            x, kv = layer.run(x, lambda h, a=layer.attn: a.prefill(h, cos, sin, cu_seqlens))
+        for i, layer in enumerate(self.layers):
+            if i + 1 < len(self.layers):
+                x, kv = layer.run(x, lambda h, a=layer.attn: a.prefill(h, cos, sin, cu_seqlens))
+            else:
+                x, kv = layer.run(x, lambda h, a=layer.attn: a.prefill_at(h, cos, sin, cu_seqlens, last), last)
             kvs.append(kv)
         return x, kvs
 

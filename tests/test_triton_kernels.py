@@ -70,6 +70,8 @@ PREFIX_CASES = [
     (33, [40], 5, (8, 1, 32), 8),  # L_s = 5, beams not a multiple of the block
     (400, [20], 3, (2, 2, 128), 16),  # W = 400, head_dim 128
     (6, [5, 1, 19], 2, (6, 2, 16), 4),  # three prompts of different lengths in one call
+    (1, [5, 1, 19], 0, (16, 8, 128), 32),  # no suffix, one row per sequence: the last prefill layer (Qwen3 heads)
+    (1, [7, 30], 0, (14, 2, 64), 8),  # ... Qwen2.5 heads
 ]
 
 
