@@ -464,6 +464,8 @@ def configured_copy(src: Path, dst: Path, workers: int = 1, cuda_graphs: bool = 
             data = zin.read(item.filename)
             if item.filename == "model-config.yaml":
                 config = yaml.safe_load(data)
+                if manifest.get("device") != "cuda":  # as the archiver: CPU builds (development) keep their queue
+                    queue = config["jobQueueSize"]
                 config.update(minWorkers=workers, maxWorkers=workers, batchSize=batch, jobQueueSize=queue)
                 handler = config.setdefault("handler", {})
                 if not cuda_graphs:

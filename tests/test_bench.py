@@ -121,7 +121,7 @@ def test_configured_copies_change_only_their_settings(tmp_path):
     with zipfile.ZipFile(src, "w") as z:
         z.writestr("model-config.yaml", yaml.safe_dump(built))
         z.writestr("manifest.json", json.dumps({"call_ms": {"1": 8.0, "2": 9.6, "4": 12.5, "8": 18.1},
-                                                "task": {"max_batch": 8}}))
+                                                "task": {"max_batch": 8}, "device": "cuda"}))
         z.writestr("graph.pt2", b"\x00weights" * 100)
 
     def config(name: str, **options) -> dict:
@@ -143,6 +143,13 @@ def test_configured_copies_change_only_their_settings(tmp_path):
     assert config("tsb2", workers=2, ts_batch=2) == base(2, 2, 9)
     # as the archiver writes it with --contexts 2, the queue inside the worker
     assert config("ctx2", contexts=2) == model_config("cuda", 1, 60, batch=8, queue=7, device_ids=[0], contexts=2)
+    cpu = tmp_path / "cpu.mar"  # a CPU build (development) keeps the queue it was built with, as the archiver's
+    with zipfile.ZipFile(cpu, "w") as z:
+        z.writestr("model-config.yaml", yaml.safe_dump(built))
+        z.writestr("manifest.json", json.dumps({"call_ms": {"8": 900.0}, "task": {"max_batch": 8}, "device": "cpu"}))
+    configured_copy(cpu, tmp_path / "cpu_x2.mar", workers=2)
+    with zipfile.ZipFile(tmp_path / "cpu_x2.mar") as z:
+        assert yaml.safe_load(z.read("model-config.yaml")) == base(2, 4, 6)
 
 
 def test_variants_parse_options_and_refuse_unknown_ones():
