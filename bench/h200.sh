@@ -20,7 +20,7 @@
 # stays warm, so each next call is just `follow`, back to back (the machine goes back when idle).
 # Needs: carry [".devbundle", "bench/assets"]; $OUT (the device tool's output folder); $COMMIT.
 # Optional: $VARIANTS, $SLM (below), $SYSTEMS (slm,hf: SYSTEMS=slm leaves the peer out), PROFILE=0, CHECK=0,
-# RELIABILITY=1 (the reliability step after the bench; SOAK=600 adds the soak),
+# RELIABILITY=1 (the reliability step after the bench; SOAK=600 adds the soak; RELIABLE and STEPS: below),
 # $WORKLOADS (default W3,W2,W1), $BENCH_ARGS (more bench.run options for the pipeline's bench step,
 # e.g. --levels). On nvidia-h200-x2, SLM=...,triton:4:8:g2 spreads 4 workers over 2 GPUs.
 set -u
@@ -28,10 +28,10 @@ source .devbundle/setup.sh
 WORK=.bench-work
 COMMIT=${COMMIT:-unknown}
 # every slm archive the steps below use: attention:workers:batch (the workers do not need a build)
-VARIANTS=${VARIANTS:-triton:1:8:topk}
-# the deployments measured: the archiver's defaults (run 2026-11-30T200552Z, bench/RESULTS.md): two
-# sync workers (beam) and one async worker with 2 request contexts (score); each measured on all three
-SLM=${SLM:-triton:2:8:topk,triton:1:8:topk:ctx2}
+VARIANTS=${VARIANTS:-triton:1:4:score,triton:1:8:topk:beam}
+# the deployments measured: the archiver's defaults, two sync workers (score: max_batch 4; beam: 8;
+# bench/RESULTS.md, runs 2026-12-01), and score by one async worker with 2 request contexts
+SLM=${SLM:-triton:2:4:score,triton:1:4:ctx2:score,triton:2:8:topk:beam}
 WORKLOADS=${WORKLOADS:-W3,W2,W1}
 PIPE=$WORK/out
 ARGS=(--device cuda --tokenizer bench/assets/tokenizer.json --work "$WORK" --commit "$COMMIT")
@@ -111,7 +111,7 @@ start)
     mkdir -p "$PIPE" && rm -f "$PIPE/DONE" && cp "$0" "$WORK/pipeline.sh"  # runs from a copy: the next call re-sends the tree
     COMMIT=$COMMIT SLM=$SLM VARIANTS=$VARIANTS WORKLOADS=$WORKLOADS SYSTEMS=${SYSTEMS:-slm,hf} \
         BENCH_ARGS=${BENCH_ARGS:-} PROFILE=${PROFILE:-1} CHECK=${CHECK:-1} CONTEXTS=${CONTEXTS:-1} \
-        RELIABILITY=${RELIABILITY:-0} SOAK=${SOAK:-} \
+        RELIABILITY=${RELIABILITY:-0} SOAK=${SOAK:-} RELIABLE=${RELIABLE:-} STEPS=${STEPS:-} \
         setsid nohup bash "$WORK/pipeline.sh" all > "$WORK/pipeline.log" 2>&1 < /dev/null &
     sleep 5
     bash "$0" follow ;;
