@@ -107,10 +107,15 @@ def queue_for_deadline(deadline_ms: float, call_ms: float, per_call: int, calls:
     return max(1, int(per_gpu)) * gpus
 
 
+DEFAULT_DEADLINE_MS = 80.0  # the latency SLO's P99 bound
+
+
 class Admission(NamedTuple):
     batch: int  # TorchServe's batchSize
-    queue: int  # its jobQueueSize, or the async worker's max_waiting
-    call_ms: float  # a call of the requests one call may hold, at the bounds (the build's timing)
+    queue: int  # its jobQueueSize, or each async worker's max_waiting
+    call_ms: float  # a call of per_call requests at the bounds (the build's timing)
+    per_call: int  # requests one call may hold
+    calls: int  # calls at once on one GPU
 
 
 def call_time(call_ms: dict[str, float], requests: int) -> float:
@@ -123,12 +128,18 @@ def admission(deadline_ms: float, call_ms: dict[str, float], max_batch: int, wor
               gpus: int = 1, batch: int | None = None) -> Admission:
     """A deployment's TorchServe batch (worker_batch unless given) and its queue for the deadline:
     on each GPU its sync workers' calls of `batch` requests, or its async workers' contexts'
-    calls of up to max_batch requests each, run at once."""
+    calls of up to max_batch requests each, run at once. TorchServe's queue serves all the
+    workers; an async worker bounds its own (max_waiting): its share of its GPU's."""
     batch = batch or worker_batch(max_batch, workers, contexts, gpus)
     per_call = max_batch if contexts else batch
-    calls = -(-workers // gpus) * (contexts or 1)
+    per_gpu = -(-workers // gpus)
+    calls = per_gpu * (contexts or 1)
     call = call_time(call_ms, per_call)
-    return Admission(batch, queue_for_deadline(deadline_ms, call, per_call, calls, gpus), call)
+    if contexts:
+        queue = max(1, queue_for_deadline(deadline_ms, call, per_call, calls) // per_gpu)
+    else:
+        queue = queue_for_deadline(deadline_ms, call, per_call, calls, gpus)
+    return Admission(batch, queue, call, per_call, calls)
 
 
 def build(
@@ -160,14 +171,14 @@ def build(
         gpus = len(device_ids) if device_ids else 1
         batch = worker_batch(task.max_batch, workers, contexts, gpus)
         if queue is None:
-            deadline_ms = deadline_ms or 80.0
-            batch, queue, call = admission(deadline_ms, manifest["call_ms"], task.max_batch, workers, contexts, gpus)
-            per_call, calls = (task.max_batch, workers * contexts) if contexts else (batch, workers)
+            deadline_ms = deadline_ms or DEFAULT_DEADLINE_MS
+            batch, queue, call, per_call, calls = admission(deadline_ms, manifest["call_ms"], task.max_batch, workers,
+                                                            contexts, gpus)
+            fits = (0.9 * deadline_ms / call - calls - 1) * per_call >= 1
             progress(f"queue of {queue} for a {deadline_ms:g} ms deadline: a call of {per_call} request(s) at the "
-                     f"token bounds takes {call:.1f} ms, {-(-calls // gpus)} such call(s) at once per GPU, on {gpus} "
-                     f"GPU(s)" + ("" if queue > gpus else "; the calls at once and a request's own call already take "
-                                  "most of the deadline: under overload, admitted requests may miss it (lower "
-                                  "max_batch or the bounds)"))
+                     f"token bounds takes {call:.1f} ms, {calls} such call(s) at once per GPU, on {gpus} GPU(s)"
+                     + ("" if fits else "; the calls at once and a request's own call already take most of the "
+                        "deadline: under overload, admitted requests may miss it (lower max_batch or the bounds)"))
         for name in SOURCE_PACKAGES:
             src = Path(importlib.util.find_spec(name).submodule_search_locations[0])
             shutil.copytree(src, stage / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))

@@ -2,7 +2,8 @@
 interleaved with valid ones, sent concurrently to a running TorchServe. Every bad one must get a
 4xx JSON error, every valid one its correct answer (the one it gets alone, before the run: exact to
 1e-5, or with --archive within what the package's build allows compiled against eager for its
-precision, since under load a request shares a graph call whose bf16 GEMMs may round otherwise),
+precision, judged per request, since under load a request shares a graph call whose bf16 GEMMs
+may round otherwise),
 and no worker may restart.
 
     python -m bench.reliability --url http://127.0.0.1:8080/predictions/NAME --management \\
@@ -373,7 +374,7 @@ def main() -> None:
     p.add_argument("--management", help="TorchServe's management address")
     p.add_argument("--model")
     p.add_argument("--archive", type=Path, help="instead of --url: serve this .mar on a private TorchServe")
-    p.add_argument("--workers", type=int, default=1, help="with --archive: its workers")
+    p.add_argument("--workers", type=int, help="with --archive: its workers (default: its model-config's)")
     p.add_argument("--workload", choices=["W1", "W2", "W3"], help="overload/soak: that workload's requests")
     p.add_argument("--tokenizer", type=Path, help="with --workload: the tokenizer its texts are made for")
     p.add_argument("--logs", type=Path, help="with --archive: copy the private TorchServe's logs here at the end")
@@ -392,13 +393,7 @@ def main() -> None:
         p.error(f"steps {args.steps!r}: each one of fuzz, overload, soak")
     if args.workload and not args.tokenizer:
         p.error("--workload needs --tokenizer")
-    server = None
-    if args.archive:
-        server = TorchServe(Path(tempfile.mkdtemp(prefix="reliability-")), args.archive.parent).start()
-        args.model = args.archive.stem
-        server.register(args.archive.name, args.workers, name=args.model)
-        args.url, args.management = f"{server.inference}/predictions/{args.model}", server.management
-    results, tolerance = {}, Tolerance()
+    server, results, tolerance = None, {}, Tolerance()
     if args.archive:  # what admission the archive configures (archiver.build.admission), its precision
         import zipfile
 
@@ -408,11 +403,17 @@ def main() -> None:
             config = yaml.safe_load(z.read("model-config.yaml"))
             precision = json.loads(z.read("manifest.json"))["task"]["precision"]
         handler = config.get("handler") or {}
+        args.workers = args.workers or config.get("minWorkers", 1)
         results["served"] = {"workers": args.workers, "batchSize": config["batchSize"],
                              "queue": handler.get("max_waiting", config["jobQueueSize"]),
                              "contexts": handler.get("contexts", 0), "precision": precision}
         tolerance = Tolerance.of_precision(precision)
+        server = TorchServe(Path(tempfile.mkdtemp(prefix="reliability-")), args.archive.parent).start()
+        args.model = args.archive.stem
+        args.url, args.management = f"{server.inference}/predictions/{args.model}", server.management
     try:
+        if server:
+            server.register(args.archive.name, args.workers, name=args.model)
         rng = random.Random(1)
         valid = valid_requests(args.task, args.max_items, rng, args.valid)
         bodies = [v.body for v in valid]

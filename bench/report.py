@@ -44,6 +44,7 @@ def label(r: dict) -> str:
         ["graphs captured on first call"] if r.get("capture_at_load") is False and r.get("cuda_graphs")
         and r.get("device") != "cpu" else []) + (
         ["Triton top-k"] if r.get("topk") else []) + (
+        # overlap and switch_interval_ms: options since removed, in the records of runs 234007Z and 015205Z
         [f"async, {r['contexts']} contexts" + ("" if r.get("overlap", True) else ", calls taking turns")
          + (f", switch interval {r['switch_interval_ms']:g} ms" if r.get("switch_interval_ms") is not None else "")]
         if r.get("contexts") else []) + (

@@ -26,7 +26,7 @@ import torch
 import yaml
 from tokenizers import Tokenizer
 
-from archiver.build import admission, model_config, serve_async
+from archiver.build import DEFAULT_DEADLINE_MS, admission, model_config, serve_async
 from bench import flops
 from bench.loadgen import measure, sweep
 from bench.workloads import WORKLOADS, TextMaker, Workload
@@ -36,7 +36,6 @@ from slm_core.spec import ModelSpec
 
 BENCH = Path(__file__).resolve().parent
 PRECISION_SUFFIX = {"fp8-mlp": "_fp8", "fp8-mlp-lmhead": "_fp8head"}  # archive names of the fp8 builds
-DEADLINE_MS = 80.0  # the latency SLO's P99 bound: what the archiver sizes queues for by default
 LEVELS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128]  # finer where the SLO usually binds
 
 
@@ -127,7 +126,7 @@ def request_flops(workload: Workload, spec: ModelSpec, tokenizer: Tokenizer, bod
         lengths = [len(tokenizer.encode((template or "{text}").replace("{text}", t)).ids) for t in body["texts"]]
         labels = len(workload.task.get("labels") or workload.arch["id2label"])  # label tokens or a classifier's
         return (flops.score_flops(spec, lengths, labels),
-                flops.fp8_flops(spec, precision, sum(lengths)))
+                flops.fp8_flops(spec, precision, sum(lengths), skipped=sum(lengths) - len(lengths)))
     prompt = len(tokenizer.encode((template or "{prompt}").replace("{prompt}", body["prompt"])).ids)
     w, n = workload.task["beam_width"], workload.task["new_tokens"]
     return flops.beam_flops(spec, prompt, w, n), flops.beam_fp8_flops(spec, precision, prompt, w, n)
@@ -222,7 +221,7 @@ def main() -> None:
     if failed:
         log(f"SKIPPED (not built): {sorted(failed)}")
     for d in deployments:
-        if d.built and d.mar != d.built and not (store / d.mar).exists() and (store / d.built).exists():
+        if d.built and d.mar != d.built and (store / d.built).exists():  # rewritten: settings may change
             configured_copy(store / d.built, store / d.mar, d.workers, d.cuda_graphs, d.gpus, d.ts_batch,
                             lazy=d.cuda_graphs and not d.capture_at_load, contexts=d.contexts)
     deployments = [d for d in deployments if d.system != "slm" or (store / d.mar).exists()]
@@ -449,7 +448,7 @@ def configured_copy(src: Path, dst: Path, workers: int = 1, cuda_graphs: bool = 
                     ts_batch: int | None = None, lazy: bool = False, contexts: int = 0) -> None:
     """A copy of the archive `src` configured as the archiver configures `workers` workers
     (archiver.build.admission: TorchServe's batch and the queue for an 80 ms deadline, from the
-    full call timed at build), spread over GPUs 0..gpus-1 if gpus > 1; options: the handler's CUDA
+    calls timed at build; CPU builds keep their queue), spread over GPUs 0..gpus-1 if gpus > 1; options: the handler's CUDA
     graphs off (cuda_graphs=False) or each captured on its first call, not at worker load (lazy);
     TorchServe hands a worker at most `ts_batch` requests at once (the graph still takes up to its
     max_batch); TorchServe's async mode with `contexts` request contexts per worker (archiver
@@ -458,8 +457,9 @@ def configured_copy(src: Path, dst: Path, workers: int = 1, cuda_graphs: bool = 
 
     with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as zout:
         manifest = json.loads(zin.read("manifest.json"))
-        batch, queue, _ = admission(DEADLINE_MS, manifest["call_ms"], manifest["task"]["max_batch"], workers,
-                                    contexts, gpus, ts_batch)
+        max_batch = manifest["task"]["max_batch"]
+        call_ms = manifest.get("call_ms") or {str(max_batch): manifest["full_call_ms"]}  # older builds
+        batch, queue, *_ = admission(DEFAULT_DEADLINE_MS, call_ms, max_batch, workers, contexts, gpus, ts_batch)
         for item in zin.infolist():
             data = zin.read(item.filename)
             if item.filename == "model-config.yaml":

@@ -78,7 +78,8 @@ def prefix_suffix_attention(
     """q: [B*W, Hq, D]; k/v_prefix: [T, Hkv, D] with prompt b at rows prefix_cu[b]..prefix_cu[b+1]-1;
     k/v_suffix: [B*W, S, Hkv, D], S >= 0; prefix_cu: [B+1] int32. Returns [B*W, Hq, D]. block_w: beams per
     program; 0 picks 64 M rows (beams x query heads per kv head, padded to a power of two), the
-    fastest on the H200 at W=100 and 400 (bench/RESULTS.md: 2.6-3x over 128 rows)."""
+    fastest on the H200 at W=100 and 400 (bench/RESULTS.md: 2.6-3x over 128 rows), or fewer, at
+    least 16, when a prompt has fewer beams (one row per sequence: a prefill's last layer)."""
     rows, hq, d = q.shape
     hkv = k_prefix.shape[1]
     s = k_suffix.shape[1]
@@ -90,7 +91,8 @@ def prefix_suffix_attention(
         raise ValueError("prefix_suffix_attention: the head dimension must be contiguous")
     width = rows // prompts  # the beams of one prompt (rows are a whole number of prompts' beams)
     group_pad = triton.next_power_of_2(hq // hkv)
-    block_w = block_w or max(1, 64 // group_pad)
+    rows_per_program = min(64, max(16, triton.next_power_of_2(width * group_pad)))  # tl.dot takes M >= 16
+    block_w = block_w or max(1, rows_per_program // group_pad)
     out = torch.empty_like(q)
     grid = (triton.cdiv(width, block_w), hkv, prompts)
     # No suffix (a prefill's last layer, one row per sequence): its K/V are never read, but an empty

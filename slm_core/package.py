@@ -262,7 +262,7 @@ def time_calls(engine: Engine, repeat: int = 5) -> dict[str, float]:
         times = [engine._call([None] * batch, pack)[2] for _ in range(repeat + 1)]
         return sorted(times[1:])[repeat // 2]
 
-    batches = sorted({1 << i for i in range(task.max_batch.bit_length()) if 1 << i <= task.max_batch} | {task.max_batch})
+    batches = sorted({1 << i for i in range(task.max_batch.bit_length())} | {task.max_batch})
     return {str(b): median(b) for b in batches}
 
 

@@ -139,7 +139,7 @@ class TaskSpec:
     max_prompt_tokens: int = 512
     stop: tuple[str, ...] = ()
     precision: str = "bf16"
-    max_batch: int = 1  # requests packed into one graph call (TorchServe's batchSize)
+    max_batch: int = 1  # requests packed into one graph call at most (archiver.build.worker_batch splits it)
     # score tasks: where a text's row comes from, at its last token. "labels": the LM head's rows of
     # the label tokens; "classifier": the checkpoint's sequence-classification head (`score`), its
     # label names from config.json's id2label unless `labels` names them. output: "probs"

@@ -43,18 +43,23 @@ def test_flops_by_hand():
                                          vocab_size=100))
     # per layer: qkv 8*(8+4+4) + o 8*8 + gate_up 8*32 + down 16*8 = 128+64+256+128 = 576 MACs
     assert flops.linear_flops_per_token(spec) == 2 * 576 * 2
-    # texts of 3 and 1 tokens: 4 tokens, 6 + 1 causal pairs, 2 labels per text
-    attention = 2 * 2 * 2 * 4 * 7 * 2  # (QK + PV) × 2 FLOPs × heads × head_dim × pairs × layers
-    assert flops.score_flops(spec, [3, 1], 2) == 2304 * 4 + attention + 2 * 8 * 2 * 2
-    # prompt 3, W=2, N=3: 3 + 4 tokens; pairs 6 + 2*(3+1) + 2*(3+2); LM head on 1 + 4 rows
-    pairs = 6 + 2 * 4 + 2 * 5
-    assert flops.beam_flops(spec, 3, 2, 3) == 2304 * 7 + 2 * 2 * 2 * 4 * pairs * 2 + 2 * 8 * 100 * 5
+    # texts of 3 and 1 tokens: 4 tokens, 6 + 1 causal pairs in the first layer; the last layer's o and
+    # MLP (64 + 256 + 128 MACs) on the 2 last tokens only, whose queries alone attend (3 + 1 pairs)
+    attention = 2 * 2 * 2 * 4 * (7 + 4)  # (QK + PV) × 2 FLOPs × heads × head_dim × pairs
+    assert flops.score_flops(spec, [3, 1], 2) == 2304 * 4 - 2 * 448 * 2 + attention + 2 * 8 * 2 * 2
+    # prompt 3, W=2, N=3: the prefill (3 tokens, its last layer past q/k/v at 1), then 4 decode rows;
+    # pairs 6 + 3 in the prefill, 2*(3+1) + 2*(3+2) in each decode layer; LM head on 1 + 4 rows
+    prefill = 2304 * 3 - 2 * 448 * 2 + 2 * 2 * 2 * 4 * (6 + 3)
+    decode = 2304 * 4 + 2 * 2 * 2 * 4 * (2 * 4 + 2 * 5) * 2
+    assert flops.beam_flops(spec, 3, 2, 3) == prefill + decode + 2 * 8 * 100 * 5
     assert flops.mfu(100.0, 989e10) == pytest.approx(1.0)
     # fp8: the MLP's share (gate_up + down, 256 + 128 MACs per layer) of each token, the LM head with lmhead
     assert flops.mlp_flops_per_token(spec) == 2 * 384 * 2
     assert flops.fp8_flops(spec, "bf16", 7, head=1600) == 0
     assert flops.fp8_flops(spec, "fp8-mlp", 7, head=1600) == 1536 * 7
     assert flops.fp8_flops(spec, "fp8-mlp-lmhead", 7, head=1600) == 1536 * 7 + 1600
+    assert flops.fp8_flops(spec, "fp8-mlp", 7, skipped=2) == 1536 * 7 - 768 * 2  # the last layer's MLP on 2 rows less
+    assert flops.beam_fp8_flops(spec, "fp8-mlp", 3, 2, 3) == 1536 * 7 - 768 * 2
     # effective MFU: each precision at its own peak (FP8's is twice bf16's on the H200)
     assert flops.mfu_effective(100.0, 989e10, 0.0) == pytest.approx(1.0)
     assert flops.mfu_effective(100.0, 989e10, 989e10) == pytest.approx(989 / 1979)
@@ -107,7 +112,7 @@ def test_harness_smoke_on_cpu(demo, tmp_path):
 def test_configured_copies_change_only_their_settings(tmp_path):
     """Each bench deployment serves a copy of the archive whose model-config.yaml is what the
     archiver writes for its workers (archiver.build.admission: TorchServe's batch and the queue
-    for 80 ms, from the full call timed at build), with its options (:nographs, :lazy, :gN, :tsbN,
+    for 80 ms, from the calls timed at build), with its options (:nographs, :lazy, :gN, :tsbN,
     :ctxN); everything else in it is byte for byte the same."""
     import zipfile
 

@@ -85,10 +85,13 @@ def test_the_queue_is_sized_for_the_deadline(archives):
     assert worker_batch(8, 4, gpus=2) == 4 and worker_batch(8, 2, contexts=2) == 1
     beam = {"1": 8.0, "2": 9.6, "4": 12.5, "8": 18.1}  # the H200 beam archive's calls at the bounds (ms)
     assert call_time(beam, 3) == 12.5 and call_time(beam, 8) == 18.1 and call_time(beam, 9) == 18.1
-    assert admission(80, beam, 8, workers=2) == Admission(batch=4, queue=11, call_ms=12.5)
-    assert admission(80, beam, 8, workers=1) == Admission(8, 15, 18.1)
-    assert admission(80, beam, 8, workers=1, contexts=2) == Admission(1, 7, 18.1)  # 2 contexts: 2 calls of 8
-    assert admission(80, beam, 8, workers=2, batch=2) == Admission(2, 9, 9.6)  # TorchServe's batch given
+    assert admission(80, beam, 8, workers=2) == Admission(batch=4, queue=11, call_ms=12.5, per_call=4, calls=2)
+    assert admission(80, beam, 8, workers=1) == Admission(8, 15, 18.1, 8, 1)
+    assert admission(80, beam, 8, workers=1, contexts=2) == Admission(1, 7, 18.1, 8, 2)  # 2 contexts: 2 calls of 8
+    assert admission(80, beam, 8, workers=2, batch=2) == Admission(2, 9, 9.6, 2, 2)  # TorchServe's batch given
+    # async workers bound their own queues: 2 of them on one GPU (4 calls of 8 at once) share its queue
+    assert admission(80, {"8": 10.0}, 8, workers=2, contexts=2) == Admission(1, 8, 10.0, 8, 4)  # 17 // 2
+    assert admission(80, {"8": 10.0}, 8, workers=2, contexts=2, gpus=2) == Admission(1, 33, 10.0, 8, 2)
     manifest = json.loads((archives["tiny_beam"] / MANIFEST).read_text())
     b = manifest["task"]["max_batch"]
     assert set(manifest["call_ms"]) == {"1", "2", str(b)} and manifest["full_call_ms"] == manifest["call_ms"][str(b)]
