@@ -41,7 +41,8 @@ def model_config(device: str, workers: int, response_timeout: int, batch: int = 
     async mode with that many request contexts (slm_core.scheduler), and `queue` bounds the
     requests waiting inside it (TorchServe's own queue never fills in that mode); TorchServe then
     hands requests over one at a time (its 0.12 async batching breaks on a second request, FACTS.md)
-    and the worker batches them itself. A worker has 10 minutes to load (TorchServe's default of 2 is near a CUDA worker's captures at load)."""
+    and the worker batches them itself. A worker has 10 minutes to load (TorchServe's default of 2
+    is near a CUDA worker's captures at load)."""
     config = {
         "minWorkers": workers,
         "maxWorkers": workers,
@@ -63,6 +64,11 @@ def serve_async(config: dict, contexts: int) -> dict:
     the bound of requests waiting inside the worker."""
     handler = {**(config.get("handler") or {}), "contexts": contexts, "max_waiting": config["jobQueueSize"]}
     return {**config, "asyncCommunication": True, "batchSize": 1, "handler": handler}
+
+
+def served_queue(config: dict) -> int:
+    """The requests a model-config lets wait: an async worker's max_waiting, else TorchServe's queue."""
+    return (config.get("handler") or {}).get("max_waiting", config["jobQueueSize"])
 
 
 def serving_defaults(device: str, task: TaskSpec, gpus: int = 1) -> tuple[int, int]:
@@ -172,8 +178,8 @@ def build(
         batch = worker_batch(task.max_batch, workers, contexts, gpus)
         if queue is None:
             deadline_ms = deadline_ms or DEFAULT_DEADLINE_MS
-            batch, queue, call, per_call, calls = admission(deadline_ms, manifest["call_ms"], task.max_batch, workers,
-                                                            contexts, gpus)
+            _, queue, call, per_call, calls = admission(deadline_ms, manifest["call_ms"], task.max_batch, workers,
+                                                        contexts, gpus, batch)
             fits = (0.9 * deadline_ms / call - calls - 1) * per_call >= 1
             progress(f"queue of {queue} for a {deadline_ms:g} ms deadline: a call of {per_call} request(s) at the "
                      f"token bounds takes {call:.1f} ms, {calls} such call(s) at once per GPU, on {gpus} GPU(s)"

@@ -26,7 +26,7 @@ import torch
 import yaml
 from tokenizers import Tokenizer
 
-from archiver.build import DEFAULT_DEADLINE_MS, admission, model_config, serve_async
+from archiver.build import DEFAULT_DEADLINE_MS, admission, model_config, serve_async, served_queue
 from bench import flops
 from bench.loadgen import measure, sweep
 from bench.workloads import WORKLOADS, TextMaker, Workload
@@ -489,8 +489,7 @@ def served_settings(mar: Path, d: Deployment) -> dict:
         return {"ts_batch": d.batch, "queue": None}
     with zipfile.ZipFile(mar) as z:
         config = yaml.safe_load(z.read("model-config.yaml"))
-    handler = config.get("handler") or {}
-    return {"ts_batch": config["batchSize"], "queue": handler.get("max_waiting", config["jobQueueSize"])}
+    return {"ts_batch": config["batchSize"], "queue": served_queue(config)}
 
 
 def served_check(server: TorchServe, workload: str, bodies: list[dict], deployments: list[Deployment]) -> dict:

@@ -253,7 +253,10 @@ def test_reliability_judges_answers_under_load_against_the_answer_alone():
     exactly (1e-5, the CPU default) or within its package's compiled-against-eager tolerance
     (a batched bf16 call on the GPU rounds otherwise): score rows by their largest difference,
     beam candidates by the share in common and their scores."""
-    from bench.reliability import Tolerance, difference, within
+    from bench.reliability import Tolerance, difference, judge
+
+    def within(a, b, tolerance):
+        return judge(a, b, tolerance)[0]
 
     alone = {"labels": ["yes", "no"], "scores": [[0.5, 0.5], [0.2, 0.8]]}
     batched = {"labels": ["yes", "no"], "scores": [[0.51, 0.49], [0.2, 0.8]]}
@@ -264,5 +267,7 @@ def test_reliability_judges_answers_under_load_against_the_answer_alone():
     other = {"candidates": [{"token_ids": [1, 2], "score": -1.1}, {"token_ids": [4], "score": -2.0}]}
     assert difference(beams, other) == (pytest.approx(0.1), 0.5)
     assert within(beams, beams, Tolerance()) and not within(beams, other, Tolerance())
-    assert Tolerance.of_precision("bf16") == Tolerance(5e-2, 0.25, 0.75)
+    assert Tolerance.of_precision("bf16") == Tolerance(5e-2, 0.25, 0.75, same_order=False)
+    swapped = {"candidates": beams["candidates"][::-1]}  # the same candidates in another order
+    assert not within(beams, swapped, Tolerance()) and within(beams, swapped, Tolerance.of_precision("bf16"))
     assert not within(beams, {"candidates": [{"token_ids": [5], "score": -1.0}] * 2}, Tolerance.of_precision("bf16"))
