@@ -19,7 +19,7 @@
 # The pipeline (`start`) outlives the call: a process in its own session runs on while the machine
 # stays warm, so each next call is just `follow`, back to back (the machine goes back when idle).
 # Needs: carry [".devbundle", "bench/assets"]; $OUT (the device tool's output folder); $COMMIT.
-# Optional: $VARIANTS, $SLM (below), $SYSTEMS (slm,hf: SYSTEMS=slm leaves the peer out), PROFILE=0, CHECK=0,
+# Optional: $VARIANTS, $SLM (below), $SYSTEMS (slm,hf: SYSTEMS=slm leaves the peer out), PROFILE=0, CHECK=0, BENCH=0,
 # RELIABILITY=1 (the reliability step after the bench; SOAK=600 adds the soak; RELIABLE and STEPS: below),
 # $WORKLOADS (default W3,W2,W1), $BENCH_ARGS (more bench.run options for the pipeline's bench step,
 # e.g. --levels). On nvidia-h200-x2, SLM=...,triton:4:8:g2 spreads 4 workers over 2 GPUs.
@@ -81,11 +81,16 @@ reliability)
     # workers): by default the archiver's defaults, 2 sync workers (beam, score), then score by one
     # async worker with 2 request contexts (its outage under overload in run 234007Z is to be
     # explained from these logs); overload with the workload's own requests. RELIABLE: NAME:WORKLOAD[:CAPACITY]
-    # (a capacity given skips measuring it); STEPS: bench.reliability's steps
+    # (a capacity given skips measuring it); STEPS: bench.reliability's steps. A copy the bench step
+    # did not make (BENCH=0) is made here from its archive (NAME[_ctxC]_xN.mar from NAME.mar)
     for spec in ${RELIABLE:-slm_beam_qwen25_triton_b8_topk_x2:W2 slm_score_qwen3_triton_b4_x2:W1 slm_score_qwen3_triton_b4_ctx2_x1:W1}; do
         IFS=: read -r name workload capacity <<< "$spec"
         workers=${name##*_x}
         mar="$WORK/model-store/$name.mar"
+        base=${name%_x*} contexts=0
+        [[ $base =~ _ctx([0-9]+)$ ]] && contexts=${BASH_REMATCH[1]} base=${base%_ctx*}
+        [ -e "$mar" ] || [ ! -e "$WORK/model-store/$base.mar" ] || python3 -c "from pathlib import Path; from bench.run \
+import configured_copy; configured_copy(Path('$WORK/model-store/$base.mar'), Path('$mar'), $workers, contexts=$contexts)"
         [ -e "$mar" ] || { echo "no $mar"; continue; }
         case "$name" in *score*) task=(--task score --max-items 16 --max-tokens 160) ;;
                         *) task=(--task beam --max-tokens 512) ;; esac
@@ -102,7 +107,7 @@ all)
     [ "${CHECK:-1}" = 1 ] && { bash "$0" check > "$OUT/check.log" 2>&1; bash "$0" kernels > "$OUT/kernels.log" 2>&1; } &
     wait
     [ "${CONTEXTS:-1}" = 1 ] && bash "$0" contexts > "$OUT/contexts.log" 2>&1
-    bash "$0" bench ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
+    [ "${BENCH:-1}" = 1 ] && bash "$0" bench ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
     [ "${PROFILE:-1}" = 1 ] && bash "$0" profile > "$OUT/profile.log" 2>&1
     [ "${RELIABILITY:-0}" = 1 ] && bash "$0" reliability > "$OUT/reliability.log" 2>&1
     touch "$OUT/DONE" ;;
@@ -111,7 +116,7 @@ start)
     mkdir -p "$PIPE" && rm -f "$PIPE/DONE" && cp "$0" "$WORK/pipeline.sh"  # runs from a copy: the next call re-sends the tree
     COMMIT=$COMMIT SLM=$SLM VARIANTS=$VARIANTS WORKLOADS=$WORKLOADS SYSTEMS=${SYSTEMS:-slm,hf} \
         BENCH_ARGS=${BENCH_ARGS:-} PROFILE=${PROFILE:-1} CHECK=${CHECK:-1} CONTEXTS=${CONTEXTS:-1} \
-        RELIABILITY=${RELIABILITY:-0} SOAK=${SOAK:-} RELIABLE=${RELIABLE:-} STEPS=${STEPS:-} \
+        RELIABILITY=${RELIABILITY:-0} BENCH=${BENCH:-1} SOAK=${SOAK:-} RELIABLE=${RELIABLE:-} STEPS=${STEPS:-} \
         setsid nohup bash "$WORK/pipeline.sh" all > "$WORK/pipeline.log" 2>&1 < /dev/null &
     sleep 5
     bash "$0" follow ;;

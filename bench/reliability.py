@@ -3,8 +3,9 @@ interleaved with valid ones, sent concurrently to a running TorchServe. Every ba
 4xx JSON error, every valid one its correct answer (the one it gets alone, before the run: exact to
 1e-5, or with --archive within what the package's build allows compiled against eager for its
 precision, judged per request, since under load a request shares a graph call whose bf16 GEMMs
-may round otherwise),
-and no worker may restart.
+may round otherwise), and no worker may restart. Each valid one is first sent alone twice: the
+second answer must be byte-identical to the first, whichever worker gives it (determinism;
+the handler names the worker in X-Slm-Worker).
 
     python -m bench.reliability --url http://127.0.0.1:8080/predictions/NAME --management \\
         http://127.0.0.1:8081 --model NAME --task score --max-items 16 --max-tokens 160 --bad 1000
@@ -41,6 +42,8 @@ import subprocess
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -183,20 +186,43 @@ def judge(a: dict, b: dict, tolerance: Tolerance) -> tuple[bool, float, float]:
     return ordered and worst <= tolerance.beam_score and shared >= tolerance.min_shared, worst, shared
 
 
+def answered_by(url: str, body: bytes, timeout: float) -> tuple[int, bytes, str | None]:
+    """POST a JSON body: (status, body, the worker's pid from the handler's X-Slm-Worker header)."""
+    req = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": JSON})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read(), r.headers.get("X-Slm-Worker")
+    except urllib.error.HTTPError as e:
+        return e.code, e.read(), e.headers.get("X-Slm-Worker")
+
+
 def run(url: str, management: str, model: str, bad: list[Probe], valid: list[Probe], threads: int = 4,
         timeout: float = 60.0, tolerance: Tolerance = Tolerance()) -> dict:
-    """Send `valid` alone first (their reference answers), then all of bad + valid shuffled together
-    from `threads` threads. Returns the figures (for the valid ones: how many answered the same
-    bytes as alone, the largest difference from alone and the least share of beam candidates in
-    common) and every failure found: a bad request without its 4xx JSON error, a valid one not
-    answered 200 within `tolerance` of its answer alone."""
+    """Send `valid` alone, twice over (their reference answers, and whether the same request alone
+    gets the same bytes again, from the same worker or another), then all of bad + valid shuffled
+    together from `threads` threads. Returns the figures (for the valid ones: how many answered the
+    same bytes as alone, the largest difference from alone and the least share of beam candidates
+    in common) and every failure found: a repeat alone not byte-identical, a bad request without
+    its 4xx JSON error, a valid one not answered 200 within `tolerance` of its answer alone."""
     pids = worker_pids(management, model)
-    reference, alone = {}, {}
-    for p in valid:
-        status, body = http("POST", url, p.body, {"Content-Type": JSON}, timeout=timeout)
-        if status != 200:
-            raise RuntimeError(f"a valid request alone got {status}: {body[:200]!r}")
-        reference[p.body], alone[p.body] = json.loads(body), body
+    reference, alone, failures = {}, {}, []
+    repeats, other_worker, workers = 0, 0, set()
+    for attempt in range(2):
+        for p in valid:
+            status, body, worker = answered_by(url, p.body, timeout)
+            if status != 200:
+                raise RuntimeError(f"a valid request alone got {status}: {body[:200]!r}")
+            workers.add(worker)
+            if attempt == 0:
+                reference[p.body], alone[p.body] = json.loads(body), (body, worker)
+                continue
+            repeats += 1
+            other_worker += worker != alone[p.body][1]
+            if body != alone[p.body][0]:
+                failures.append({"kind": "valid alone, again", "status": status, "workers": [alone[p.body][1], worker],
+                                 "body": p.body[:120].decode("utf-8", "replace"),
+                                 "answer": body[:300].decode("utf-8", "replace")})
+    alone = {k: body for k, (body, _) in alone.items()}
     probes = bad + valid
     random.Random(0).shuffle(probes)
 
@@ -208,7 +234,7 @@ def run(url: str, management: str, model: str, bad: list[Probe], valid: list[Pro
             status, body = 0, repr(e).encode()
         return p, status, body, (time.perf_counter() - start) * 1e3
 
-    failures, statuses, slowest = [], Counter(), 0.0
+    statuses, slowest = Counter(), 0.0
     identical, worst, least_shared = 0, 0.0, 1.0
     begin = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
@@ -237,6 +263,8 @@ def run(url: str, management: str, model: str, bad: list[Probe], valid: list[Pro
             "statuses": {str(k): v for k, v in sorted(statuses.items())}, "seconds": time.perf_counter() - begin,
             "slowest_bad_ms": slowest, "worker_restarts": int(after != pids),
             "valid_identical": identical, "valid_max_abs_diff": worst, "valid_min_shared": least_shared,
+            "alone_repeats": repeats, "alone_repeats_by_another_worker": other_worker,
+            "alone_workers": sorted(w for w in workers if w),
             "tolerance": tolerance._asdict(), "failures": failures}
 
 

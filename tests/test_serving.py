@@ -163,6 +163,7 @@ def test_a_thousand_bad_requests_among_valid_ones_hurt_nobody(server):
         print(f"\n{model}: {json.dumps({k: v for k, v in result.items() if k != 'failures'})}")
         assert result["failures"] == [], result["failures"][:5]
         assert result["worker_restarts"] == 0 and result["bad"] == n_bad and len(result["kinds"]) == 13
+        assert result["alone_repeats"] == n_valid and result["alone_workers"]  # each repeat alone: same bytes; the handler names its worker
         assert sum(v for k, v in result["statuses"].items() if k.startswith("4")) == n_bad
 
 
