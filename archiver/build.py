@@ -27,12 +27,11 @@ def progress(message: str) -> None:
     print(f"[archiver {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def model_config(device: str, workers: int, response_timeout: int, batch: int = 1, batch_delay_ms: int = 1,
-                 queue: int = 100, cuda_graphs: bool = True, device_ids: list[int] | None = None,
-                 capture_at_load: bool = True, contexts: int = 0) -> dict:
+def model_config(device: str, workers: int, response_timeout: int, batch: int = 1,
+                 batch_delay_ms: int | None = None, queue: int = 100, cuda_graphs: bool = True,
+                 device_ids: list[int] | None = None, capture_at_load: bool = True, contexts: int = 0) -> dict:
     """TorchServe's per-model settings (model-config.yaml). A worker takes up to `batch` queued
-    requests at once and waits at most `batch_delay_ms` for more: with 1 ms, what is queued goes
-    at once (TorchServe 0.12 stops collecting after one extra request when the delay is 0). At
+    requests at once and waits at most `batch_delay_ms` for more (default: batch_delay). At
     most `queue` requests wait for a worker; the next ones get an immediate 503. Workers go to the
     GPUs `device_ids` in turn (TorchServe's deviceIds; without them, to all the host's GPUs in
     turn, shared with the other models). The `handler` section is the handler's own
@@ -47,7 +46,7 @@ def model_config(device: str, workers: int, response_timeout: int, batch: int = 
         "minWorkers": workers,
         "maxWorkers": workers,
         "batchSize": batch,
-        "maxBatchDelay": batch_delay_ms,
+        "maxBatchDelay": batch_delay(1 if contexts else batch) if batch_delay_ms is None else batch_delay_ms,
         "jobQueueSize": queue,
         "responseTimeout": response_timeout,
         "startupTimeout": 600,
@@ -97,6 +96,15 @@ def worker_batch(max_batch: int, workers: int, contexts: int = 0, gpus: int = 1)
     if contexts:
         return 1
     return -(-max_batch // -(-workers // gpus))
+
+
+def batch_delay(batch: int) -> int:
+    """TorchServe's maxBatchDelay (ms) for a batchSize. TorchServe 0.12's Model.pollBatch takes the
+    first queued request, then waits up to the delay for each next one, holding the lock that the
+    model's other workers need to take theirs; at 0 it takes at most one more, if already queued.
+    So a batch of 2 gets 0: the same batches, without a worker idling 1 ms beside a free GPU each
+    time only one request waits. A larger batch gets 1 ms, so that all that is queued goes at once."""
+    return 0 if batch <= 2 else 1
 
 
 def queue_for_deadline(deadline_ms: float, call_ms: float, per_call: int, calls: int, gpus: int = 1) -> int:
@@ -150,7 +158,8 @@ def admission(deadline_ms: float, call_ms: dict[str, float], max_batch: int, wor
 
 def build(
     checkpoint: str, task_path: str, model_name: str, export_path: str, device: str = "cpu",
-    workers: int | None = None, response_timeout: int = 120, attention: str = "reference", batch_delay_ms: int = 1,
+    workers: int | None = None, response_timeout: int = 120, attention: str = "reference",
+    batch_delay_ms: int | None = None,
     queue: int | None = None, cuda_graphs: bool = True, deadline_ms: float | None = None, topk: str = "torch",
     device_ids: list[int] | None = None, capture_at_load: bool = True, fp8_max_diff: float = FP8_MAX_DIFF,
     fp8_min_shared: float = FP8_MIN_SHARED, contexts: int | None = None,
