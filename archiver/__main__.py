@@ -30,10 +30,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="CUDA builds: replay each call from a CUDA graph captured per input-size bucket, every "
                         "bucket as a worker loads (on) or each on its first call (lazy: faster load, but a call "
                         "that captures takes about three calls' time)")
-    b.add_argument("--batch-delay-ms", type=int,
+    b.add_argument("--batch-delay-ms", type=int, default=1,
                    help="longest wait for more requests to batch (up to the task's max_batch, split between "
-                        "the sync workers of one GPU: archiver.build.worker_batch); default 0 for a TorchServe "
-                        "batch of up to 2, else 1 (archiver.build.batch_delay)")
+                        "the sync workers of one GPU: archiver.build.worker_batch); at least 1 (TorchServe reads "
+                        "0 in an archive as unset: 100 ms)")
     b.add_argument("--queue", type=int,
                    help="requests that may wait for a worker; beyond them TorchServe answers 503 at once "
                         "(default: as many as finish within --deadline-ms behind the calls that run at once, from "

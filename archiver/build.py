@@ -16,6 +16,7 @@ from typing import NamedTuple
 import yaml
 
 from slm_core.checkpoint import load_checkpoint
+from slm_core.errors import SpecError
 from slm_core.package import FP8_MAX_DIFF, FP8_MIN_SHARED, build_package
 from slm_core.spec import TaskSpec
 
@@ -27,11 +28,14 @@ def progress(message: str) -> None:
     print(f"[archiver {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def model_config(device: str, workers: int, response_timeout: int, batch: int = 1,
-                 batch_delay_ms: int | None = None, queue: int = 100, cuda_graphs: bool = True,
-                 device_ids: list[int] | None = None, capture_at_load: bool = True, contexts: int = 0) -> dict:
+def model_config(device: str, workers: int, response_timeout: int, batch: int = 1, batch_delay_ms: int = 1,
+                 queue: int = 100, cuda_graphs: bool = True, device_ids: list[int] | None = None,
+                 capture_at_load: bool = True, contexts: int = 0) -> dict:
     """TorchServe's per-model settings (model-config.yaml). A worker takes up to `batch` queued
-    requests at once and waits at most `batch_delay_ms` for more (default: batch_delay). At
+    requests at once and waits at most `batch_delay_ms` for more: with 1 ms, what is queued goes
+    at once. It must be at least 1: TorchServe 0.12 reads a maxBatchDelay of 0 in
+    model-config.yaml as unset and waits its default 100 ms (ModelManager; measured on the H200,
+    bench/RESULTS.md run 052155Z: 110 ms at one request at a time). At
     most `queue` requests wait for a worker; the next ones get an immediate 503. Workers go to the
     GPUs `device_ids` in turn (TorchServe's deviceIds; without them, to all the host's GPUs in
     turn, shared with the other models). The `handler` section is the handler's own
@@ -42,11 +46,12 @@ def model_config(device: str, workers: int, response_timeout: int, batch: int = 
     hands requests over one at a time (its 0.12 async batching breaks on a second request, FACTS.md)
     and the worker batches them itself. A worker has 10 minutes to load (TorchServe's default of 2
     is near a CUDA worker's captures at load)."""
+    check_batch_delay(batch_delay_ms)
     config = {
         "minWorkers": workers,
         "maxWorkers": workers,
         "batchSize": batch,
-        "maxBatchDelay": batch_delay(1 if contexts else batch) if batch_delay_ms is None else batch_delay_ms,
+        "maxBatchDelay": batch_delay_ms,
         "jobQueueSize": queue,
         "responseTimeout": response_timeout,
         "startupTimeout": 600,
@@ -55,6 +60,12 @@ def model_config(device: str, workers: int, response_timeout: int, batch: int = 
         "handler": {"cuda_graphs": cuda_graphs, "capture_at_load": cuda_graphs and capture_at_load},
     }
     return serve_async(config, contexts) if contexts else config
+
+
+def check_batch_delay(ms: int) -> None:
+    if ms < 1:
+        raise SpecError(f"batch delay {ms} ms: TorchServe reads a maxBatchDelay below 1 in an archive as "
+                        "unset and waits 100 ms for every batch; give at least 1")
 
 
 def serve_async(config: dict, contexts: int) -> dict:
@@ -96,15 +107,6 @@ def worker_batch(max_batch: int, workers: int, contexts: int = 0, gpus: int = 1)
     if contexts:
         return 1
     return -(-max_batch // -(-workers // gpus))
-
-
-def batch_delay(batch: int) -> int:
-    """TorchServe's maxBatchDelay (ms) for a batchSize. TorchServe 0.12's Model.pollBatch takes the
-    first queued request, then waits up to the delay for each next one, holding the lock that the
-    model's other workers need to take theirs; at 0 it takes at most one more, if already queued.
-    So a batch of 2 gets 0: the same batches, without a worker idling 1 ms beside a free GPU each
-    time only one request waits. A larger batch gets 1 ms, so that all that is queued goes at once."""
-    return 0 if batch <= 2 else 1
 
 
 def queue_for_deadline(deadline_ms: float, call_ms: float, per_call: int, calls: int, gpus: int = 1) -> int:
@@ -158,8 +160,7 @@ def admission(deadline_ms: float, call_ms: dict[str, float], max_batch: int, wor
 
 def build(
     checkpoint: str, task_path: str, model_name: str, export_path: str, device: str = "cpu",
-    workers: int | None = None, response_timeout: int = 120, attention: str = "reference",
-    batch_delay_ms: int | None = None,
+    workers: int | None = None, response_timeout: int = 120, attention: str = "reference", batch_delay_ms: int = 1,
     queue: int | None = None, cuda_graphs: bool = True, deadline_ms: float | None = None, topk: str = "torch",
     device_ids: list[int] | None = None, capture_at_load: bool = True, fp8_max_diff: float = FP8_MAX_DIFF,
     fp8_min_shared: float = FP8_MIN_SHARED, contexts: int | None = None,
@@ -169,6 +170,7 @@ def build(
     from model_archiver.model_archiver_config import ModelArchiverConfig
     from model_archiver.model_packaging import generate_model_archive
 
+    check_batch_delay(batch_delay_ms)  # before minutes of compiling
     task = TaskSpec.load(task_path)
     default_workers, default_contexts = serving_defaults(device, task, len(device_ids) if device_ids else 1)
     workers = default_workers if workers is None else workers

@@ -30,9 +30,8 @@ COMMIT=${COMMIT:-unknown}
 # every slm archive the steps below use: attention:workers:batch (the workers do not need a build)
 VARIANTS=${VARIANTS:-triton:1:4:score,triton:1:8:topk:beam}
 # the deployments measured: the archiver's defaults, two sync workers (score: max_batch 4; beam: 8;
-# bench/RESULTS.md, runs 2026-12-01), score by one async worker with 2 request contexts, and the score
-# default with TorchServe's batch delay of 1 ms (before archiver.build.batch_delay gave a batch of 2 none)
-SLM=${SLM:-triton:2:4:score,triton:2:4:bd1:score,triton:1:4:ctx2:score,triton:2:8:topk:beam}
+# bench/RESULTS.md, runs 2026-12-01), and score by one async worker with 2 request contexts
+SLM=${SLM:-triton:2:4:score,triton:1:4:ctx2:score,triton:2:8:topk:beam}
 WORKLOADS=${WORKLOADS:-W3,W2,W1}
 PIPE=$WORK/out
 ARGS=(--device cuda --tokenizer bench/assets/tokenizer.json --work "$WORK" --commit "$COMMIT")

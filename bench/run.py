@@ -26,7 +26,7 @@ import torch
 import yaml
 from tokenizers import Tokenizer
 
-from archiver.build import DEFAULT_DEADLINE_MS, admission, batch_delay, model_config, serve_async, served_queue
+from archiver.build import DEFAULT_DEADLINE_MS, admission, model_config, serve_async, served_queue
 from bench import flops
 from bench.loadgen import measure, sweep
 from bench.workloads import WORKLOADS, TextMaker, Workload
@@ -150,7 +150,6 @@ def main() -> None:
                                  "tsbN (TorchServe hands a worker at most N < BATCH requests at once, so that they "
                                  "spread over more workers), e.g. triton:4:8:g2:tsb2, ctxN (TorchServe's async mode, "
                                  "N request contexts per worker: archiver --contexts N), e.g. triton:1:8:topk:ctx3, "
-                                 "bdN (TorchServe's maxBatchDelay N ms instead of the archiver's), "
                                  "score / beam (the variant serves only that task's archives). "
                                  "Default: triton:1:1,triton:1:1:nographs on cuda, reference:1:1 on cpu")
     p.add_argument("--levels", default=",".join(map(str, LEVELS)), help="concurrency levels swept")
@@ -204,11 +203,11 @@ def main() -> None:
                 # and options (configured_copy): nographs, lazy, gN, tsbN, ctxN
                 served = mar + ("_nographs" if v.nographs else "") + ("_lazy" if v.lazy else "") + (
                     f"_g{v.gpus}" if v.gpus > 1 else "") + (f"_tsb{v.ts_batch}" if v.ts_batch else "") + (
-                    f"_ctx{v.contexts}" if v.contexts else "") + (f"_bd{v.batch_delay}" if v.batch_delay is not None else "")
+                    f"_ctx{v.contexts}" if v.contexts else "")
                 d = Deployment("slm", f"{served}_x{v.workers}", f"{served}_x{v.workers}.mar", v.workers, v.attention,
                                v.batch, cuda_graphs=not v.nographs, topk=topk, gpus=v.gpus, built=f"{mar}.mar",
                                ts_batch=v.ts_batch, capture_at_load=not v.lazy and not v.nographs, precision=precision,
-                               contexts=v.contexts, batch_delay=v.batch_delay)
+                               contexts=v.contexts)
                 if d not in deployments:
                     deployments.append(d)
         if "hf" in systems and w.task.get("head", "labels") == "labels":  # the peer scores label tokens only
@@ -224,8 +223,7 @@ def main() -> None:
     for d in deployments:
         if d.built and d.mar != d.built and (store / d.built).exists():  # rewritten: settings may change
             configured_copy(store / d.built, store / d.mar, d.workers, d.cuda_graphs, d.gpus, d.ts_batch,
-                            lazy=d.cuda_graphs and not d.capture_at_load, contexts=d.contexts,
-                            batch_delay_ms=d.batch_delay)
+                            lazy=d.cuda_graphs and not d.capture_at_load, contexts=d.contexts)
     deployments = [d for d in deployments if d.system != "slm" or (store / d.mar).exists()]
     gates = {d.built: built_manifest(store / d.built).get("fp8_gate") for d in deployments if d.system == "slm"}
     for name, gate in gates.items():
@@ -359,7 +357,6 @@ class Deployment:
     capture_at_load: bool = False  # slm on CUDA: every CUDA-graph bucket captured at worker load (else on first call)
     precision: str = "bf16"  # slm: the task's precision (bf16, fp8-mlp, fp8-mlp-lmhead; slm_core.fp8)
     contexts: int = 0  # slm: request contexts per worker in TorchServe's async mode (0: sync mode)
-    batch_delay: int | None = None  # slm: TorchServe's maxBatchDelay, if not the archiver's (batch_delay)
 
 
 class Variant(NamedTuple):
@@ -375,7 +372,6 @@ class Variant(NamedTuple):
     gpus: int = 1
     ts_batch: int | None = None  # TorchServe's batchSize, when below `batch`
     contexts: int = 0  # async mode with N request contexts per worker
-    batch_delay: int | None = None  # TorchServe's maxBatchDelay in ms (default: archiver.build.batch_delay)
     task: str | None = None  # "score" or "beam": the variant serves only that task's archives
 
 
@@ -395,11 +391,9 @@ def parse_variant(text: str) -> Variant:
             v = v._replace(ts_batch=int(o[3:]))
         elif re.fullmatch(r"ctx[1-9][0-9]*", o):
             v = v._replace(contexts=int(o[3:]))
-        elif re.fullmatch(r"bd[0-9]+", o):
-            v = v._replace(batch_delay=int(o[2:]))
         else:
             raise SystemExit(f"--slm {text}: unknown option {o!r} (nographs, lazy, topk, fp8, fp8head, gN, tsbN "
-                             "with N <= BATCH, ctxN, bdN, score, beam)")
+                             "with N <= BATCH, ctxN, score, beam)")
     return v
 
 
@@ -451,8 +445,7 @@ def built_manifest(mar: Path) -> dict:
 
 
 def configured_copy(src: Path, dst: Path, workers: int = 1, cuda_graphs: bool = True, gpus: int = 1,
-                    ts_batch: int | None = None, lazy: bool = False, contexts: int = 0,
-                    batch_delay_ms: int | None = None) -> None:
+                    ts_batch: int | None = None, lazy: bool = False, contexts: int = 0) -> None:
     """A copy of the archive `src` configured as the archiver configures `workers` workers
     (archiver.build.admission: TorchServe's batch and the queue for an 80 ms deadline, from the
     calls timed at build; CPU builds keep their queue), spread over GPUs 0..gpus-1 if gpus > 1; options: the handler's CUDA
@@ -473,9 +466,7 @@ def configured_copy(src: Path, dst: Path, workers: int = 1, cuda_graphs: bool = 
                 config = yaml.safe_load(data)
                 if manifest.get("device") != "cuda":  # as the archiver: CPU builds (development) keep their queue
                     queue = config["jobQueueSize"]
-                delay = batch_delay(batch) if batch_delay_ms is None else batch_delay_ms
-                config.update(minWorkers=workers, maxWorkers=workers, batchSize=batch, maxBatchDelay=delay,
-                              jobQueueSize=queue)
+                config.update(minWorkers=workers, maxWorkers=workers, batchSize=batch, jobQueueSize=queue)
                 handler = config.setdefault("handler", {})
                 if not cuda_graphs:
                     handler["cuda_graphs"] = False

@@ -135,9 +135,8 @@ def test_configured_copies_change_only_their_settings(tmp_path):
             assert a.read("graph.pt2") == b.read("graph.pt2") and a.read("manifest.json") == b.read("manifest.json")
             return yaml.safe_load(b.read("model-config.yaml"))
 
-    def base(workers: int, batch: int, queue: int, delay: int = 1) -> dict:
-        return {**built, "minWorkers": workers, "maxWorkers": workers, "batchSize": batch, "maxBatchDelay": delay,
-                "jobQueueSize": queue}
+    def base(workers: int, batch: int, queue: int) -> dict:
+        return {**built, "minWorkers": workers, "maxWorkers": workers, "batchSize": batch, "jobQueueSize": queue}
 
     # one worker, calls of 8 (18.1 ms): a request behind 15 others finishes after (15 / 8 + 2) x 18.1 = 70 ms
     assert config("x1") == base(1, 8, 15)
@@ -146,8 +145,7 @@ def test_configured_copies_change_only_their_settings(tmp_path):
                                                                                   "capture_at_load": True}}
     assert config("lazy", lazy=True)["handler"] == {"cuda_graphs": True, "capture_at_load": False}
     assert config("g2", workers=4, gpus=2) == {**base(4, 4, 22), "deviceIds": [0, 1]}  # 2 GPUs: twice the queue
-    assert config("tsb2", workers=2, ts_batch=2) == base(2, 2, 9, delay=0)  # a batch of 2: no wait (batch_delay)
-    assert config("bd0", workers=2, batch_delay_ms=0) == base(2, 4, 11, delay=0)
+    assert config("tsb2", workers=2, ts_batch=2) == base(2, 2, 9)
     # as the archiver writes it with --contexts 2, the queue inside the worker
     assert config("ctx2", contexts=2) == model_config("cuda", 1, 60, batch=8, queue=7, device_ids=[0], contexts=2)
     cpu = tmp_path / "cpu.mar"  # a CPU build (development) keeps the queue it was built with, as the archiver's
@@ -171,9 +169,8 @@ def test_variants_parse_options_and_refuse_unknown_ones():
     assert parse_variant("triton:2:8").precision is None  # the workload's own
     assert parse_variant("triton:1:8:topk:ctx3") == Variant("triton", 1, 8, topk=True, contexts=3)
     assert parse_variant("triton:2:8:topk:beam").task == "beam" and parse_variant("triton:2:8").task is None
-    assert parse_variant("triton:2:4:bd1:score") == Variant("triton", 2, 4, batch_delay=1, task="score")
     for bad in ("triton:1:8:gpu2", "triton:1:8:g0", "triton:1:8:fast", "triton:1:8:tsb9", "triton:1:8:tsb0",
-                "triton:1:8:ctx0", "triton:1:8:ctx2:serial", "triton:1:8:bd"):
+                "triton:1:8:ctx0", "triton:1:8:ctx2:serial"):
         with pytest.raises(SystemExit, match="unknown option"):
             parse_variant(bad)
 

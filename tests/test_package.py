@@ -75,7 +75,7 @@ def test_the_queue_is_sized_for_the_deadline(archives):
     max_batch, so that their calls together hold one full call."""
     import yaml
 
-    from archiver.build import Admission, admission, batch_delay, call_time, model_config, queue_for_deadline, worker_batch
+    from archiver.build import Admission, admission, call_time, model_config, queue_for_deadline, worker_batch
 
     # 2 calls of 4 at once, 12 ms each: a request behind 12 others finishes after (12 / 4 + 2 + 1) x 12 = 72 ms
     assert queue_for_deadline(80, 12, per_call=4, calls=2) == 12
@@ -83,10 +83,11 @@ def test_the_queue_is_sized_for_the_deadline(archives):
     assert queue_for_deadline(80, 12, 4, 2, gpus=2) == 24  # workers spread over two GPUs serve twice as many
     assert worker_batch(8, 1) == 8 and worker_batch(8, 2) == 4 and worker_batch(8, 3) == 3
     assert worker_batch(8, 4, gpus=2) == 4 and worker_batch(8, 2, contexts=2) == 1
-    # TorchServe's batch delay: none for a batch of 2 (it takes at most one more request at 0), 1 ms above
-    assert [batch_delay(b) for b in (1, 2, 3, 4, 8)] == [0, 0, 1, 1, 1]
-    assert model_config("cuda", 2, 60, batch=2)["maxBatchDelay"] == 0 and model_config("cuda", 2, 60, batch=4)["maxBatchDelay"] == 1
+    # TorchServe's batch delay: 1 ms unless told; never 0, which TorchServe reads in an archive as 100 ms
+    assert model_config("cuda", 2, 60, batch=2)["maxBatchDelay"] == 1
     assert model_config("cuda", 2, 60, batch=2, batch_delay_ms=5)["maxBatchDelay"] == 5  # --batch-delay-ms
+    with pytest.raises(SpecError, match="100 ms"):
+        model_config("cuda", 2, 60, batch=2, batch_delay_ms=0)
     beam = {"1": 8.0, "2": 9.6, "4": 12.5, "8": 18.1}  # the H200 beam archive's calls at the bounds (ms)
     assert call_time(beam, 3) == 12.5 and call_time(beam, 8) == 18.1 and call_time(beam, 9) == 18.1
     assert admission(80, beam, 8, workers=2) == Admission(batch=4, queue=11, call_ms=12.5, per_call=4, calls=2)
@@ -299,6 +300,10 @@ def test_archiver_contexts_write_async_mode_and_defaults_follow_the_h200(capsys)
         with pytest.raises(SystemExit):
             main(["build", "--checkpoint", "x", "--task", "t.yaml", "--model-name", "m", "--export-path", "o", *argv])
         assert message in capsys.readouterr().err
+    # refused before anything is loaded or compiled (the checkpoint "x" does not exist)
+    assert main(["build", "--checkpoint", "x", "--task", "t.yaml", "--model-name", "m", "--export-path", "o",
+                 "--batch-delay-ms", "0"]) == 2
+    assert "waits 100 ms" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("config, message", [
