@@ -127,8 +127,8 @@ class SlmHandler:
             reply = s.reply
             ctx.set_response_status(reply.status, PHRASES.get(reply.status, ""), i)
             ctx.set_response_content_type(i, "application/json")
-            ctx.set_response_header(i, "X-Slm-Worker", str(os.getpid()))  # bench.reliability: determinism across workers
             if reply.stats is not None:  # where the request's time went (bench.loadgen averages these)
+                ctx.set_response_header(i, "X-Slm-Worker", str(os.getpid()))  # bench.reliability: across workers
                 ctx.set_response_header(i, "X-Slm-Handler-Ms", f"{s.handler_ms:.3f}")
                 ctx.set_response_header(i, "X-Slm-Wait-Ms", f"{s.wait_ms:.3f}")
                 ctx.set_response_header(i, "X-Slm-Graph-Ms", f"{reply.stats.graph_ms:.3f}")

@@ -3,6 +3,7 @@ handler lifecycle with a mock TorchServe context."""
 
 import argparse
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -255,6 +256,7 @@ def test_handler_batch_with_good_and_bad_requests(archives):
         timing = ctx.headers[i]
         assert 0 < float(timing["X-Slm-Graph-Ms"]) <= float(timing["X-Slm-Handler-Ms"])
         assert timing["X-Slm-Batch"] == "2" and timing["X-Slm-Captured"] == "0"  # no CUDA graphs on CPU
+        assert timing["X-Slm-Worker"] == str(os.getpid())  # the worker that answered (bench.reliability)
     assert not any(k.startswith("X-Slm") for i in (1, 2, 4) for k in ctx.headers[i])  # refused: no call
     bodies = [json.loads(b) for b in out]
     assert bodies[0]["labels"] == ["yes", "no"] and len(bodies[0]["scores"]) == 2
