@@ -126,11 +126,14 @@ class Engine:
         first, stats) or the InputError that kept it out of the call; the others are unaffected."""
         self._expect("beam")
 
-        def pack(prompt, ids_out, cu_out):  # one prompt is one sequence
-            cu_out[0], cu_out[1] = 0, self.tokenizer.pack_prompt(prompt, ids_out)
-            return 1, int(cu_out[1])
+        def pack(ids, ids_out, cu_out):  # one prompt is one sequence
+            if isinstance(ids, InputError):
+                raise ids
+            ids_out[: len(ids)] = ids
+            cu_out[0], cu_out[1] = 0, len(ids)
+            return 1, len(ids)
 
-        spans, outputs, graph_ms, captured = self._call(prompts, pack)
+        spans, outputs, graph_ms, captured = self._call(self.tokenizer.encode_prompts(prompts), pack)
         batch = sum(not isinstance(s, InputError) for s in spans)
         results = []
         for span in spans:

@@ -83,17 +83,30 @@ class PackedTokenizer:
 
     def pack_prompt(self, prompt: object, ids_out: np.ndarray) -> int:
         """Tokenize one beam prompt into ids_out[:L]; returns L. ids_out: int32 [max_prompt_tokens]."""
-        self._check_text(prompt, "prompt", "max_prompt_tokens", self.task.max_prompt_tokens)
-        ids = self.tokenizer.encode(self.apply_template(prompt)).ids
-        bound = self.task.max_prompt_tokens
-        if len(ids) > bound:
-            raise InputError(
-                f"prompt is {len(ids)} tokens with the template, over max_prompt_tokens={bound}",
-                bound="max_prompt_tokens",
-                limit=bound,
-            )
+        (ids,) = self.encode_prompts([prompt])
+        if isinstance(ids, InputError):
+            raise ids
         ids_out[: len(ids)] = ids
         return len(ids)
+
+    def encode_prompts(self, prompts: list[object]) -> list["list[int] | InputError"]:
+        """Each beam prompt's ids with the template, or the InputError that refuses it. The valid
+        ones go through the tokenizer together, in parallel (a W3 batch of 4: the handler's work
+        outside the graph 3.0 -> 2.1 ms on 2 cores, bench.cpu_path)."""
+        out: list = []
+        for prompt in prompts:
+            try:
+                self._check_text(prompt, "prompt", "max_prompt_tokens", self.task.max_prompt_tokens)
+                out.append(None)
+            except InputError as e:
+                out.append(e)
+        valid = [i for i, o in enumerate(out) if o is None]
+        bound = self.task.max_prompt_tokens
+        for i, enc in zip(valid, self.tokenizer.encode_batch_fast([self.apply_template(prompts[i]) for i in valid])):
+            out[i] = enc.ids if len(enc) <= bound else InputError(
+                f"prompt is {len(enc)} tokens with the template, over max_prompt_tokens={bound}",
+                bound="max_prompt_tokens", limit=bound)
+        return out
 
     def _check_text(self, text: object, where: str, bound: str, limit: int) -> None:
         if not isinstance(text, str):

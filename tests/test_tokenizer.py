@@ -82,6 +82,23 @@ def test_prompt_bound(smollm2):
         packer.pack_prompt(None, out)
 
 
+def test_a_batch_of_prompts_is_encoded_together_each_as_alone(smollm2):
+    """encode_prompts (one parallel tokenizer call for a beam batch): each valid prompt's ids as
+    encoded alone, template and special tokens included; each bad one its own InputError, in place."""
+    tok = smollm2[1].tokenizer
+    task = TaskSpec(task="beam", max_prompt_tokens=16, prompt_template="Q: {prompt}\nA:")
+    packer = PackedTokenizer(tok, task)
+    prompts = ["hello world", 7, " ".join(["word"] * 20), "   ", "naïve café 🙂"]
+    got = packer.encode_prompts(prompts)
+    for prompt, ids in zip(prompts, got):
+        if isinstance(ids, InputError):
+            continue
+        assert ids == tok.encode(packer.apply_template(prompt)).ids and len(ids) <= 16
+    assert [type(x).__name__ for x in got] == ["list", "InputError", "InputError", "InputError", "list"]
+    assert "must be a string" in str(got[1]) and "over max_prompt_tokens=16" in str(got[2]) and "empty" in str(got[3])
+    assert packer.encode_prompts([]) == []
+
+
 def test_build_time_errors(smollm2):
     tok = smollm2[1].tokenizer
     with pytest.raises(SpecError, match="must be one token"):
