@@ -13,7 +13,7 @@ import pytest
 from bench import flops
 from bench.report import label, load, plot, table
 from bench.workloads import WORKLOADS, TextMaker
-from slm_core.spec import ModelSpec
+from slm_core.spec import ModelSpec, TaskSpec
 
 REQUIRED = {"system", "workload", "concurrency", "qps", "mean_ms", "p50_ms", "p99_ms", "errors", "mfu_effective",
             "mfu_bf16", "commit", "device", "torch", "date"}
@@ -35,6 +35,26 @@ def test_request_token_counts_follow_the_workload(smollm2, name):
     assert min(lengths) < lo + 0.1 * (hi - lo) and max(lengths) > hi - 0.1 * (hi - lo)
     words = " ".join(texts).split()
     assert len(set(words)) > 500 and all(w.isalpha() for w in words)  # words, not ids
+
+
+def test_cpu_path_times_the_handlers_work_around_a_stub_graph(smollm2, tmp_path, monkeypatch, capsys):
+    """bench.cpu_path: respond_batch of workload batches around a stub graph that answers in the
+    graph's shapes (the replies are real: 200s with W candidates or one row per text)."""
+    from bench import cpu_path
+    from slm_core.protocol import respond_batch
+
+    smollm2[1].tokenizer.save(str(tmp_path / "tokenizer.json"))
+    monkeypatch.setattr(sys, "argv", ["cpu_path", "--tokenizer", str(tmp_path / "tokenizer.json"),
+                                      "--workloads", "W2,W1", "--batches", "1,2", "--calls", "2"])
+    cpu_path.main()
+    lines = capsys.readouterr().out.splitlines()
+    assert [l.split(":")[0] for l in lines] == ["W2 batch of 1", "W2 batch of 2", "W1 batch of 1", "W1 batch of 2"]
+    assert all(float(l.split(": ")[1].split()[0]) > 0 for l in lines)
+    task = TaskSpec.from_dict({**WORKLOADS["W2"].task, "max_batch": 2})
+    engine = cpu_path.Engine(cpu_path.StubGraph(task), cpu_path.PackedTokenizer(smollm2[1].tokenizer, task), task,
+                             cpu_path.RuntimeSpec(device="cpu"))
+    replies = respond_batch(engine, [{"body": b'{"prompt": "a question"}'}, {"body": b'{"prompt": 3}'}])
+    assert [r.status for r in replies] == [200, 400] and len(json.loads(replies[0].body)["candidates"]) == 100
 
 
 def test_flops_by_hand():
