@@ -149,6 +149,9 @@ def decode(width: int, prompts: list[int], suffix: int, hq: int, hkv: int, d: in
     for bw, bn, warps, stages in ((16, 64, 4, 3), (16, 64, 4, 2), (8, 64, 4, 3), (4, 64, 4, 3), (32, 32, 4, 3), (16, 128, 8, 2)):
         fn = lambda: prefix_suffix_attention(q, kp, vp, ks, vs, scale, cu, bw, bn, warps, stages)  # noqa: E731
         r[f"triton prefix {bw}x{bn} w{warps} s{stages}"] = timed(fn, ref)
+    for splits in (2, 4, 8):  # flash-decoding: each prompt's keys split between programs, then merged
+        fn = lambda: prefix_suffix_attention(q, kp, vp, ks, vs, scale, cu, splits=splits)  # noqa: E731
+        r[f"triton prefix default rows, {splits} splits"] = timed(fn, ref)
     fn = lambda: prefix_suffix_attention_ref(q, kp, vp, ks, vs, scale, cu)  # noqa: E731
     r["reference"] = timed(fn, ref)
 
@@ -245,6 +248,8 @@ def main() -> None:
         **{f"W3 decode step {s}": decode(100, [448], s, 14, 2, 64) for s in (1, 4)},
         "W=400 decode": decode(400, [100], 4, 14, 2, 64),
         "W3 decode, 4 prompts in one call": decode(100, [384, 512, 401, 450], 3, 14, 2, 64),
+        "W2 decode step 4": decode(100, [88], 4, 14, 2, 64),
+        "W2 decode, 4 prompts in one call": decode(100, [48, 128, 90, 70], 3, 14, 2, 64),
         "W1 QK-norm + RoPE": rope(1640, 16, 8, 128, True),
         "W2 decode RoPE, 4 prompts": rope(400, 14, 2, 64, False),
         "W1 SiLU * up": mlp_act(1640, 3072),

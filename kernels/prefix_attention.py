@@ -19,32 +19,24 @@ from kernels.online_softmax import launch_options, online_softmax_block
 
 
 @triton.jit
-def _prefix_attention_kernel(
-    q_ptr, kp_ptr, vp_ptr, ks_ptr, vs_ptr, o_ptr, cu_ptr, scale, width,
-    stride_qw, stride_qh, stride_kpt, stride_kph, stride_vpt, stride_vph,
-    stride_ksw, stride_kss, stride_ksh, stride_vsw, stride_vss, stride_vsh, stride_ow, stride_oh,
-    SUFFIX: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    w_block, kv_head, prompt = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start = tl.load(cu_ptr + prompt)  # this prompt's K/V rows in the packed prefix
-    prefix_len = tl.load(cu_ptr + prompt + 1) - start
-    # Row r: beam w_block*BLOCK_W + r // GROUP_PAD of this prompt, query head kv_head*GROUP + r % GROUP_PAD
-    # (the group is padded to a power of two: 7 query heads per kv head in Qwen2.5-0.5B, 3 in SmolLM2).
+def _rows(w_block, kv_head, prompt, width, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_W: tl.constexpr):
+    """A program's M rows: row r is beam w_block*BLOCK_W + r // GROUP_PAD of this prompt, query head
+    kv_head*GROUP + r % GROUP_PAD (the group is padded to a power of two: 7 query heads per kv head
+    in Qwen2.5-0.5B, 3 in SmolLM2). Returns (beam, head, ok) per row."""
     rows = tl.arange(0, BLOCK_W * GROUP_PAD)
     local = w_block * BLOCK_W + rows // GROUP_PAD
-    beam = prompt * width + local
-    head = kv_head * GROUP + rows % GROUP_PAD
-    dims = tl.arange(0, HEAD_DIM)
     ok = (local < width) & (rows % GROUP_PAD < GROUP)
-    q = tl.load(q_ptr + beam[:, None] * stride_qw + head[:, None] * stride_qh + dims[None, :], mask=ok[:, None],
-                other=0.0)
-    m_i = tl.full([BLOCK_W * GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_W * GROUP_PAD], tl.float32)
-    acc = tl.zeros([BLOCK_W * GROUP_PAD, HEAD_DIM], tl.float32)
-    for n0 in range(0, prefix_len, BLOCK_N):  # the shared prompt: one K/V tile for all rows
+    return prompt * width + local, kv_head * GROUP + rows % GROUP_PAD, ok
+
+
+@triton.jit
+def _prefix_blocks(q, kp_ptr, vp_ptr, start, lo, hi, kv_head, stride_kpt, stride_kph, stride_vpt, stride_vph, scale,
+                   m_i, l_i, acc, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Fold the shared prompt's keys lo..hi-1 into (m_i, l_i, acc): one K/V tile for all rows."""
+    dims = tl.arange(0, HEAD_DIM)
+    for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
-        col_ok = cols < prefix_len
+        col_ok = cols < hi
         k = tl.load(kp_ptr + (start + cols)[:, None] * stride_kpt + kv_head * stride_kph + dims[None, :],
                     mask=col_ok[:, None], other=0.0)
         v = tl.load(vp_ptr + (start + cols)[:, None] * stride_vpt + kv_head * stride_vph + dims[None, :],
@@ -52,7 +44,15 @@ def _prefix_attention_kernel(
         s = (tl.dot(q, tl.trans(k)) * scale).to(tl.float32)  # AOTI passes scale as fp64
         s = tl.where(col_ok[None, :], s, float("-inf"))
         m_i, l_i, acc = online_softmax_block(s, v, m_i, l_i, acc)
-    for j in range(SUFFIX):  # each beam's own generated tokens (a handful): one key per row
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _suffix_keys(q, ks_ptr, vs_ptr, beam, ok, kv_head, stride_ksw, stride_kss, stride_ksh, stride_vsw, stride_vss,
+                 stride_vsh, scale, m_i, l_i, acc, SUFFIX: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Fold each beam's own generated tokens (a handful: one key per row) into (m_i, l_i, acc)."""
+    dims = tl.arange(0, HEAD_DIM)
+    for j in range(SUFFIX):
         k = tl.load(ks_ptr + beam[:, None] * stride_ksw + j * stride_kss + kv_head * stride_ksh + dims[None, :],
                     mask=ok[:, None], other=0.0)
         v = tl.load(vs_ptr + beam[:, None] * stride_vsw + j * stride_vss + kv_head * stride_vsh + dims[None, :],
@@ -64,6 +64,98 @@ def _prefix_attention_kernel(
         l_i = l_i * alpha + p
         acc = acc * alpha[:, None] + p[:, None] * v.to(tl.float32)
         m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _prefix_attention_kernel(
+    q_ptr, kp_ptr, vp_ptr, ks_ptr, vs_ptr, o_ptr, cu_ptr, scale, width,
+    stride_qw, stride_qh, stride_kpt, stride_kph, stride_vpt, stride_vph,
+    stride_ksw, stride_kss, stride_ksh, stride_vsw, stride_vss, stride_vsh, stride_ow, stride_oh,
+    SUFFIX: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One program: its rows over the whole prompt, then their suffixes, then the output."""
+    w_block, kv_head, prompt = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start = tl.load(cu_ptr + prompt)  # this prompt's K/V rows in the packed prefix
+    prefix_len = tl.load(cu_ptr + prompt + 1) - start
+    beam, head, ok = _rows(w_block, kv_head, prompt, width, GROUP, GROUP_PAD, BLOCK_W)
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + beam[:, None] * stride_qw + head[:, None] * stride_qh + dims[None, :], mask=ok[:, None],
+                other=0.0)
+    m_i = tl.full([BLOCK_W * GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_W * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_W * GROUP_PAD, HEAD_DIM], tl.float32)
+    m_i, l_i, acc = _prefix_blocks(q, kp_ptr, vp_ptr, start, 0, prefix_len, kv_head, stride_kpt, stride_kph,
+                                   stride_vpt, stride_vph, scale, m_i, l_i, acc, HEAD_DIM, BLOCK_N)
+    m_i, l_i, acc = _suffix_keys(q, ks_ptr, vs_ptr, beam, ok, kv_head, stride_ksw, stride_kss, stride_ksh, stride_vsw,
+                                 stride_vss, stride_vsh, scale, m_i, l_i, acc, SUFFIX, HEAD_DIM)
+    out = acc / l_i[:, None]
+    tl.store(o_ptr + beam[:, None] * stride_ow + head[:, None] * stride_oh + dims[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=ok[:, None])
+
+
+@triton.jit
+def _prefix_split_kernel(
+    q_ptr, kp_ptr, vp_ptr, m_ptr, l_ptr, acc_ptr, cu_ptr, scale, width, heads, rows_total,
+    stride_qw, stride_qh, stride_kpt, stride_kph, stride_vpt, stride_vph,
+    SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Flash-decoding's first half: one program per (rows, split of the prompt's keys); its running
+    max, normaliser and unnormalised output go to FP32 [SPLITS, rows, heads(, D)] buffers. A
+    split past the prompt's end writes an empty state (-inf, 0, 0)."""
+    w_block, kv_head, pid = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    prompt, split = pid // SPLITS, pid % SPLITS
+    start = tl.load(cu_ptr + prompt)
+    prefix_len = tl.load(cu_ptr + prompt + 1) - start
+    chunk = tl.cdiv(tl.cdiv(prefix_len, SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, prefix_len)
+    beam, head, ok = _rows(w_block, kv_head, prompt, width, GROUP, GROUP_PAD, BLOCK_W)
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + beam[:, None] * stride_qw + head[:, None] * stride_qh + dims[None, :], mask=ok[:, None],
+                other=0.0)
+    m_i = tl.full([BLOCK_W * GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_W * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_W * GROUP_PAD, HEAD_DIM], tl.float32)
+    m_i, l_i, acc = _prefix_blocks(q, kp_ptr, vp_ptr, start, lo, hi, kv_head, stride_kpt, stride_kph,
+                                   stride_vpt, stride_vph, scale, m_i, l_i, acc, HEAD_DIM, BLOCK_N)
+    at = (split * rows_total + beam) * heads + head  # [SPLITS, rows, heads]
+    tl.store(m_ptr + at, m_i, mask=ok)
+    tl.store(l_ptr + at, l_i, mask=ok)
+    tl.store(acc_ptr + at[:, None] * HEAD_DIM + dims[None, :], acc, mask=ok[:, None])
+
+
+@triton.jit
+def _prefix_combine_kernel(
+    q_ptr, m_ptr, l_ptr, acc_ptr, ks_ptr, vs_ptr, o_ptr, scale, width, heads, rows_total,
+    stride_qw, stride_qh, stride_ksw, stride_kss, stride_ksh, stride_vsw, stride_vss, stride_vsh, stride_ow, stride_oh,
+    SPLITS: tl.constexpr, SUFFIX: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    """Flash-decoding's second half: the splits' states merged (split 0 is never empty: a prompt
+    has at least one token), then the suffixes, then the output."""
+    w_block, kv_head, prompt = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    beam, head, ok = _rows(w_block, kv_head, prompt, width, GROUP, GROUP_PAD, BLOCK_W)
+    dims = tl.arange(0, HEAD_DIM)
+    at = beam * heads + head
+    m_i = tl.load(m_ptr + at, mask=ok, other=0.0)
+    l_i = tl.load(l_ptr + at, mask=ok, other=1.0)
+    acc = tl.load(acc_ptr + at[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
+    for split in range(1, SPLITS):
+        other = split * rows_total * heads + at
+        m_s = tl.load(m_ptr + other, mask=ok, other=float("-inf"))
+        m_new = tl.maximum(m_i, m_s)
+        alpha, beta = tl.exp(m_i - m_new), tl.exp(m_s - m_new)
+        l_i = l_i * alpha + tl.load(l_ptr + other, mask=ok, other=0.0) * beta
+        acc = acc * alpha[:, None] + tl.load(acc_ptr + other[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None],
+                                             other=0.0) * beta[:, None]
+        m_i = m_new
+    q = tl.load(q_ptr + beam[:, None] * stride_qw + head[:, None] * stride_qh + dims[None, :], mask=ok[:, None],
+                other=0.0)
+    m_i, l_i, acc = _suffix_keys(q, ks_ptr, vs_ptr, beam, ok, kv_head, stride_ksw, stride_kss, stride_ksh, stride_vsw,
+                                 stride_vss, stride_vsh, scale, m_i, l_i, acc, SUFFIX, HEAD_DIM)
     out = acc / l_i[:, None]
     tl.store(o_ptr + beam[:, None] * stride_ow + head[:, None] * stride_oh + dims[None, :],
              out.to(o_ptr.dtype.element_ty), mask=ok[:, None])
@@ -73,13 +165,16 @@ def _prefix_attention_kernel(
 def prefix_suffix_attention(
     q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor, k_suffix: torch.Tensor, v_suffix: torch.Tensor,
     scale: float, prefix_cu: torch.Tensor, block_w: int = 0, block_n: int = 64, num_warps: int = 4,
-    num_stages: int = 3,
+    num_stages: int = 3, splits: int = 1,
 ) -> torch.Tensor:
     """q: [B*W, Hq, D]; k/v_prefix: [T, Hkv, D] with prompt b at rows prefix_cu[b]..prefix_cu[b+1]-1;
     k/v_suffix: [B*W, S, Hkv, D], S >= 0; prefix_cu: [B+1] int32. Returns [B*W, Hq, D]. block_w: beams per
     program; 0 picks 64 M rows (beams x query heads per kv head, padded to a power of two), the
     fastest on the H200 at W=100 and 400 (bench/RESULTS.md: 2.6-3x over 128 rows), or fewer, at
-    least 16, when a prompt has fewer beams (one row per sequence: a prefill's last layer)."""
+    least 16, when a prompt has fewer beams (one row per sequence: a prefill's last layer).
+    splits > 1: flash-decoding, each prompt's keys split between that many programs, whose states
+    a second kernel merges before the suffixes (more programs for long prompts: W3 runs 26 for one
+    prompt on 132 SMs; for the kernel bench, not yet in the graphs)."""
     rows, hq, d = q.shape
     hkv = k_prefix.shape[1]
     s = k_suffix.shape[1]
@@ -98,12 +193,26 @@ def prefix_suffix_attention(
     # No suffix (a prefill's last layer, one row per sequence): its K/V are never read, but an empty
     # CUDA tensor's pointer is null, which a kernel launch may refuse; the prefix's stands in.
     ks, vs = (k_prefix, v_prefix) if s == 0 else (k_suffix, v_suffix)
+    group = dict(GROUP=hq // hkv, GROUP_PAD=group_pad, HEAD_DIM=d, BLOCK_W=block_w)
+    if splits > 1:
+        m, l = (q.new_empty(splits, rows, hq, dtype=torch.float32) for _ in range(2))
+        acc = q.new_empty(splits, rows, hq, d, dtype=torch.float32)
+        wrap_triton(_prefix_split_kernel)[(grid[0], hkv, prompts * splits)](
+            q, k_prefix, v_prefix, m, l, acc, prefix_cu, scale, width, hq, rows,
+            q.stride(0), q.stride(1), k_prefix.stride(0), k_prefix.stride(1), v_prefix.stride(0), v_prefix.stride(1),
+            SPLITS=splits, BLOCK_N=block_n, **group, **launch_options(num_warps, num_stages),
+        )
+        wrap_triton(_prefix_combine_kernel)[grid](
+            q, m, l, acc, ks, vs, out, scale, width, hq, rows, q.stride(0), q.stride(1),
+            k_suffix.stride(0), k_suffix.stride(1), k_suffix.stride(2), v_suffix.stride(0), v_suffix.stride(1),
+            v_suffix.stride(2), out.stride(0), out.stride(1), SPLITS=splits, SUFFIX=s, **group,
+        )
+        return out
     wrap_triton(_prefix_attention_kernel)[grid](
         q, k_prefix, v_prefix, ks, vs, out, prefix_cu, scale, width,
         q.stride(0), q.stride(1), k_prefix.stride(0), k_prefix.stride(1), v_prefix.stride(0), v_prefix.stride(1),
         k_suffix.stride(0), k_suffix.stride(1), k_suffix.stride(2), v_suffix.stride(0), v_suffix.stride(1),
         v_suffix.stride(2), out.stride(0), out.stride(1),
-        SUFFIX=s, GROUP=hq // hkv, GROUP_PAD=group_pad, HEAD_DIM=d, BLOCK_W=block_w, BLOCK_N=block_n,
-        **launch_options(num_warps, num_stages),
+        SUFFIX=s, BLOCK_N=block_n, **group, **launch_options(num_warps, num_stages),
     )
     return out

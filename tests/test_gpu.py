@@ -190,8 +190,10 @@ def test_prefix_suffix_attention_bf16_full_size(w, lp, heads, s):
     assert err <= 1e-2
 
 
-def test_prefix_suffix_attention_bf16_several_prompts():
-    """W3-like: 4 prompts of different lengths, 100 beams each, in one call."""
+@pytest.mark.parametrize("splits", [1, 4])
+def test_prefix_suffix_attention_bf16_several_prompts(splits):
+    """W3-like: 4 prompts of different lengths, 100 beams each, in one call; also split between
+    programs (flash-decoding)."""
     from kernels.attention_ref import prefix_suffix_attention_ref, random_prefix_inputs
     from kernels.prefix_attention import prefix_suffix_attention
 
@@ -199,8 +201,9 @@ def test_prefix_suffix_attention_bf16_several_prompts():
     prompts, w, (hq, hkv, d) = [384, 512, 401, 450], 100, (14, 2, 64)
     q, kp, vp, ks, vs, cu = random_prefix_inputs(w, prompts, 3, (hq, hkv, d), "cuda")
     bf = [x.bfloat16() for x in (q, kp, vp, ks, vs)]
-    err = rel_err(prefix_suffix_attention(*bf, d**-0.5, cu), prefix_suffix_attention_ref(q, kp, vp, ks, vs, d**-0.5, cu))
-    print(f"\nprefix 4 prompts x W={w}: rel err {err:.1e}")
+    got = prefix_suffix_attention(*bf, d**-0.5, cu, splits=splits)
+    err = rel_err(got, prefix_suffix_attention_ref(q, kp, vp, ks, vs, d**-0.5, cu))
+    print(f"\nprefix 4 prompts x W={w}, {splits} split(s): rel err {err:.1e}")
     assert err <= 1e-2
 
 

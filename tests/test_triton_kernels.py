@@ -55,10 +55,10 @@ import json, sys, torch
 from kernels.prefix_attention import prefix_suffix_attention
 from kernels.attention_ref import prefix_suffix_attention_ref, random_prefix_inputs
 errors = []
-for w, prompts, s, (hq, hkv, d), block_w in json.loads(sys.argv[1]):
+for w, prompts, s, (hq, hkv, d), block_w, *splits in json.loads(sys.argv[1]):
     torch.manual_seed(w + sum(prompts))
     q, kp, vp, ks, vs, cu = random_prefix_inputs(w, prompts, s, (hq, hkv, d))
-    out = prefix_suffix_attention(q, kp, vp, ks, vs, d ** -0.5, cu, block_w=block_w, block_n=16)
+    out = prefix_suffix_attention(q, kp, vp, ks, vs, d ** -0.5, cu, block_w=block_w, block_n=16, splits=splits[0] if splits else 1)
     errors.append((out - prefix_suffix_attention_ref(q, kp, vp, ks, vs, d ** -0.5, cu)).abs().max().item())
 print(json.dumps(errors))
 """
@@ -72,6 +72,11 @@ PREFIX_CASES = [
     (6, [5, 1, 19], 2, (6, 2, 16), 4),  # three prompts of different lengths in one call
     (1, [5, 1, 19], 0, (16, 8, 128), 32),  # no suffix, one row per sequence: the last prefill layer (Qwen3 heads)
     (1, [7, 30], 0, (14, 2, 64), 8),  # ... Qwen2.5 heads
+    # flash-decoding: the prompt's keys split between programs, merged before the suffix
+    (5, [70], 2, (14, 2, 64), 4, 4),  # 70 keys, chunks of 32: the 4th split past the end (empty)
+    (6, [5, 1, 19, 40], 3, (6, 2, 16), 4, 3),  # prompts of 1 to 40 tokens, most splits empty
+    (33, [40], 5, (8, 1, 32), 8, 2),  # beams not a multiple of the block
+    (1, [7, 30], 0, (14, 2, 64), 8, 2),  # no suffix
 ]
 
 
