@@ -4,10 +4,11 @@ The W beams of each of B prompts attend over their prompt's K/V, stored once in 
 [T, Hkv, D] (prompt b at rows cu[b]..cu[b+1]-1), plus their own suffix ([B*W, S, Hkv, D]) in one
 FP32 online softmax, without concatenating anything. One program takes BLOCK_W beams of one
 prompt × the G query heads of one kv head as its M rows, so each prompt K/V tile is read once per
-group of beams (the Hydragen / cascade-attention idea). Reference:
+group of beams (the Hydragen / cascade-attention idea). With splits > 1 a prompt's keys are also
+split between programs, whose states a second kernel merges (flash-decoding). Reference:
 kernels.attention_ref.prefix_suffix_attention_ref.
 
-Status: as kernels/packed_attention.py.
+Status: as kernels/packed_attention.py; the split path only in the kernel bench so far.
 """
 
 import torch
