@@ -23,16 +23,16 @@ from slm_core.tokenizer import PackedTokenizer
 class StubGraph(torch.nn.Module):
     """A graph's outputs for the packed batch, with no model: beam candidates or score rows."""
 
-    def __init__(self, task: TaskSpec):
+    def __init__(self, task: TaskSpec, vocab: int):
         super().__init__()
-        self.task = task
+        self.task, self.vocab = task, vocab
 
     def forward(self, ids: torch.Tensor, cu: torch.Tensor):
         n, g = cu.shape[0] - 1, torch.Generator().manual_seed(0)
         if self.task.task == "score":
             return torch.rand(n, len(self.task.labels), generator=g)
         w, k = self.task.beam_width, self.task.new_tokens
-        return torch.randint(0, 150_000, (n, w, k), generator=g), torch.full((n, w), k), -torch.rand(n, w, generator=g)
+        return torch.randint(0, self.vocab, (n, w, k), generator=g), torch.full((n, w), k), -torch.rand(n, w, generator=g)
 
 
 def main() -> None:
@@ -47,7 +47,7 @@ def main() -> None:
         workload = WORKLOADS[name]
         batches = [int(b) for b in args.batches.split(",")]
         task = TaskSpec.from_dict({**workload.task, "max_batch": max(batches)})
-        engine = Engine(StubGraph(task), PackedTokenizer(tokenizer, task), task, RuntimeSpec(device="cpu"))
+        engine = Engine(StubGraph(task, tokenizer.get_vocab_size()), PackedTokenizer(tokenizer, task), task, RuntimeSpec(device="cpu"))
         bodies = [{"body": json.dumps(b).encode()} for b in TextMaker(tokenizer, seed=2).requests(workload, max(batches))]
         for b in batches:
             respond_batch(engine, bodies[:b])  # warm up

@@ -81,15 +81,15 @@ reliability)
     # workers): by default the archiver's defaults, 2 sync workers (beam, score), then score by one
     # async worker with 2 request contexts (its outage under overload in run 234007Z is to be
     # explained from these logs); overload with the workload's own requests. RELIABLE: NAME:WORKLOAD[:CAPACITY]
-    # (a capacity given skips measuring it); STEPS: bench.reliability's steps. A copy the bench step
-    # did not make (BENCH=0) is made here from its archive (NAME[_ctxC]_xN.mar from NAME.mar)
+    # (a capacity given skips measuring it); STEPS: bench.reliability's steps. Each copy is made
+    # (again) here from its archive, NAME[_ctxC]_xN.mar from NAME.mar, as the bench step makes them
     for spec in ${RELIABLE:-slm_beam_qwen25_triton_b8_topk_x2:W2 slm_score_qwen3_triton_b4_x2:W1 slm_score_qwen3_triton_b4_ctx2_x1:W1}; do
         IFS=: read -r name workload capacity <<< "$spec"
         workers=${name##*_x}
         mar="$WORK/model-store/$name.mar"
         base=${name%_x*} contexts=0
         [[ $base =~ _ctx([0-9]+)$ ]] && contexts=${BASH_REMATCH[1]} base=${base%_ctx*}
-        [ -e "$mar" ] || [ ! -e "$WORK/model-store/$base.mar" ] || python3 -c "from pathlib import Path; from bench.run \
+        [ ! -e "$WORK/model-store/$base.mar" ] || python3 -c "from pathlib import Path; from bench.run \
 import configured_copy; configured_copy(Path('$WORK/model-store/$base.mar'), Path('$mar'), $workers, contexts=$contexts)"
         [ -e "$mar" ] || { echo "no $mar"; continue; }
         case "$name" in *score*) task=(--task score --max-items 16 --max-tokens 160) ;;

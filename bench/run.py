@@ -26,7 +26,8 @@ import torch
 import yaml
 from tokenizers import Tokenizer
 
-from archiver.build import DEFAULT_DEADLINE_MS, admission, model_config, serve_async, served_queue
+from archiver.build import (DEFAULT_DEADLINE_MS, admission, check_batch_delay, model_config, serve_async,
+                           served_queue)
 from bench import flops
 from bench.loadgen import measure, sweep
 from bench.workloads import WORKLOADS, TextMaker, Workload
@@ -464,6 +465,7 @@ def configured_copy(src: Path, dst: Path, workers: int = 1, cuda_graphs: bool = 
             data = zin.read(item.filename)
             if item.filename == "model-config.yaml":
                 config = yaml.safe_load(data)
+                check_batch_delay(config["maxBatchDelay"])  # an archive of 4058f07 may hold 0: 100 ms
                 if manifest.get("device") != "cuda":  # as the archiver: CPU builds (development) keep their queue
                     queue = config["jobQueueSize"]
                 config.update(minWorkers=workers, maxWorkers=workers, batchSize=batch, jobQueueSize=queue)

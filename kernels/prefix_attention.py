@@ -135,22 +135,22 @@ def _prefix_combine_kernel(
     SPLITS: tl.constexpr, SUFFIX: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
-    """Flash-decoding's second half: the splits' states merged (split 0 is never empty: a prompt
-    has at least one token), then the suffixes, then the output."""
+    """Flash-decoding's second half: the splits' states merged (an empty split, or an empty
+    prompt, merges as nothing), then the suffixes, then the output."""
     w_block, kv_head, prompt = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     beam, head, ok = _rows(w_block, kv_head, prompt, width, GROUP, GROUP_PAD, BLOCK_W)
     dims = tl.arange(0, HEAD_DIM)
-    at = beam * heads + head
-    m_i = tl.load(m_ptr + at, mask=ok, other=0.0)
-    l_i = tl.load(l_ptr + at, mask=ok, other=1.0)
-    acc = tl.load(acc_ptr + at[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
-    for split in range(1, SPLITS):
-        other = split * rows_total * heads + at
-        m_s = tl.load(m_ptr + other, mask=ok, other=float("-inf"))
+    m_i = tl.full([BLOCK_W * GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_W * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_W * GROUP_PAD, HEAD_DIM], tl.float32)
+    for split in range(SPLITS):
+        at = (split * rows_total + beam) * heads + head
+        m_s = tl.load(m_ptr + at, mask=ok, other=float("-inf"))
         m_new = tl.maximum(m_i, m_s)
-        alpha, beta = tl.exp(m_i - m_new), tl.exp(m_s - m_new)
-        l_i = l_i * alpha + tl.load(l_ptr + other, mask=ok, other=0.0) * beta
-        acc = acc * alpha[:, None] + tl.load(acc_ptr + other[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None],
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # both empty: no -inf - -inf
+        alpha, beta = tl.exp(m_i - m_safe), tl.exp(m_s - m_safe)
+        l_i = l_i * alpha + tl.load(l_ptr + at, mask=ok, other=0.0) * beta
+        acc = acc * alpha[:, None] + tl.load(acc_ptr + at[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None],
                                              other=0.0) * beta[:, None]
         m_i = m_new
     q = tl.load(q_ptr + beam[:, None] * stride_qw + head[:, None] * stride_qh + dims[None, :], mask=ok[:, None],
@@ -185,6 +185,8 @@ def prefix_suffix_attention(
                          f"prefix {tuple(k_prefix.shape)}, suffix {tuple(k_suffix.shape)}, {prompts} prompts")
     if any(t.stride(-1) != 1 for t in (q, k_prefix, v_prefix, k_suffix, v_suffix)):
         raise ValueError("prefix_suffix_attention: the head dimension must be contiguous")
+    if splits < 1:
+        raise ValueError(f"prefix_suffix_attention: splits={splits}, at least 1")
     width = rows // prompts  # the beams of one prompt (rows are a whole number of prompts' beams)
     group_pad = triton.next_power_of_2(hq // hkv)
     rows_per_program = min(64, max(16, triton.next_power_of_2(width * group_pad)))  # tl.dot takes M >= 16

@@ -51,8 +51,9 @@ def test_cpu_path_times_the_handlers_work_around_a_stub_graph(smollm2, tmp_path,
     assert [l.split(":")[0] for l in lines] == ["W2 batch of 1", "W2 batch of 2", "W1 batch of 1", "W1 batch of 2"]
     assert all(float(l.split(": ")[1].split()[0]) > 0 for l in lines)
     task = TaskSpec.from_dict({**WORKLOADS["W2"].task, "max_batch": 2})
-    engine = cpu_path.Engine(cpu_path.StubGraph(task), cpu_path.PackedTokenizer(smollm2[1].tokenizer, task), task,
-                             cpu_path.RuntimeSpec(device="cpu"))
+    tokenizer = smollm2[1].tokenizer
+    stub = cpu_path.StubGraph(task, tokenizer.get_vocab_size())
+    engine = cpu_path.Engine(stub, cpu_path.PackedTokenizer(tokenizer, task), task, cpu_path.RuntimeSpec(device="cpu"))
     replies = respond_batch(engine, [{"body": b'{"prompt": "a question"}'}, {"body": b'{"prompt": 3}'}])
     assert [r.status for r in replies] == [200, 400] and len(json.loads(replies[0].body)["candidates"]) == 100
 

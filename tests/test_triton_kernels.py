@@ -74,7 +74,8 @@ PREFIX_CASES = [
     (1, [7, 30], 0, (14, 2, 64), 8),  # ... Qwen2.5 heads
     # flash-decoding: the prompt's keys split between programs, merged before the suffix
     (5, [70], 2, (14, 2, 64), 4, 4),  # 70 keys, chunks of 32: the 4th split past the end (empty)
-    (6, [5, 1, 19, 40], 3, (6, 2, 16), 4, 3),  # prompts of 1 to 40 tokens, most splits empty
+    (6, [5, 1, 19, 40], 3, (6, 2, 16), 4, 3),  # prompts of 1 to 40 tokens, 5 of 12 splits empty
+    (4, [0, 5], 2, (4, 2, 16), 4, 2),  # an empty prompt: the suffix alone (both its splits empty)
     (33, [40], 5, (8, 1, 32), 8, 2),  # beams not a multiple of the block
     (1, [7, 30], 0, (14, 2, 64), 8, 2),  # no suffix
 ]
