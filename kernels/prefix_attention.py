@@ -31,10 +31,21 @@ def _rows(w_block, kv_head, prompt, width, GROUP: tl.constexpr, GROUP_PAD: tl.co
 
 
 @triton.jit
-def _prefix_blocks(q, kp_ptr, vp_ptr, start, lo, hi, kv_head, stride_kpt, stride_kph, stride_vpt, stride_vph, scale,
-                   m_i, l_i, acc, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Fold the shared prompt's keys lo..hi-1 into (m_i, l_i, acc): one K/V tile for all rows."""
+def _queries(q_ptr, beam, head, ok, stride_qw, stride_qh, HEAD_DIM: tl.constexpr):
     dims = tl.arange(0, HEAD_DIM)
+    return tl.load(q_ptr + beam[:, None] * stride_qw + head[:, None] * stride_qh + dims[None, :], mask=ok[:, None],
+                   other=0.0)
+
+
+@triton.jit
+def _prefix_blocks(q, kp_ptr, vp_ptr, start, lo, hi, kv_head, stride_kpt, stride_kph, stride_vpt, stride_vph, scale,
+                   M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The online-softmax state (m, l, unnormalised output) of the M rows over the shared prompt's
+    keys lo..hi-1 (one K/V tile for all rows); (-inf, 0, 0) when there are none."""
+    dims = tl.arange(0, HEAD_DIM)
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, HEAD_DIM], tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < hi
@@ -81,14 +92,10 @@ def _prefix_attention_kernel(
     start = tl.load(cu_ptr + prompt)  # this prompt's K/V rows in the packed prefix
     prefix_len = tl.load(cu_ptr + prompt + 1) - start
     beam, head, ok = _rows(w_block, kv_head, prompt, width, GROUP, GROUP_PAD, BLOCK_W)
-    dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + beam[:, None] * stride_qw + head[:, None] * stride_qh + dims[None, :], mask=ok[:, None],
-                other=0.0)
-    m_i = tl.full([BLOCK_W * GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_W * GROUP_PAD], tl.float32)
-    acc = tl.zeros([BLOCK_W * GROUP_PAD, HEAD_DIM], tl.float32)
+    q = _queries(q_ptr, beam, head, ok, stride_qw, stride_qh, HEAD_DIM)
     m_i, l_i, acc = _prefix_blocks(q, kp_ptr, vp_ptr, start, 0, prefix_len, kv_head, stride_kpt, stride_kph,
-                                   stride_vpt, stride_vph, scale, m_i, l_i, acc, HEAD_DIM, BLOCK_N)
+                                   stride_vpt, stride_vph, scale, BLOCK_W * GROUP_PAD, HEAD_DIM, BLOCK_N)
+    dims = tl.arange(0, HEAD_DIM)
     m_i, l_i, acc = _suffix_keys(q, ks_ptr, vs_ptr, beam, ok, kv_head, stride_ksw, stride_kss, stride_ksh, stride_vsw,
                                  stride_vss, stride_vsh, scale, m_i, l_i, acc, SUFFIX, HEAD_DIM)
     out = acc / l_i[:, None]
@@ -114,14 +121,10 @@ def _prefix_split_kernel(
     lo = split * chunk
     hi = tl.minimum(lo + chunk, prefix_len)
     beam, head, ok = _rows(w_block, kv_head, prompt, width, GROUP, GROUP_PAD, BLOCK_W)
-    dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + beam[:, None] * stride_qw + head[:, None] * stride_qh + dims[None, :], mask=ok[:, None],
-                other=0.0)
-    m_i = tl.full([BLOCK_W * GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_W * GROUP_PAD], tl.float32)
-    acc = tl.zeros([BLOCK_W * GROUP_PAD, HEAD_DIM], tl.float32)
+    q = _queries(q_ptr, beam, head, ok, stride_qw, stride_qh, HEAD_DIM)
     m_i, l_i, acc = _prefix_blocks(q, kp_ptr, vp_ptr, start, lo, hi, kv_head, stride_kpt, stride_kph,
-                                   stride_vpt, stride_vph, scale, m_i, l_i, acc, HEAD_DIM, BLOCK_N)
+                                   stride_vpt, stride_vph, scale, BLOCK_W * GROUP_PAD, HEAD_DIM, BLOCK_N)
+    dims = tl.arange(0, HEAD_DIM)
     at = (split * rows_total + beam) * heads + head  # [SPLITS, rows, heads]
     tl.store(m_ptr + at, m_i, mask=ok)
     tl.store(l_ptr + at, l_i, mask=ok)
@@ -153,8 +156,7 @@ def _prefix_combine_kernel(
         acc = acc * alpha[:, None] + tl.load(acc_ptr + at[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None],
                                              other=0.0) * beta[:, None]
         m_i = m_new
-    q = tl.load(q_ptr + beam[:, None] * stride_qw + head[:, None] * stride_qh + dims[None, :], mask=ok[:, None],
-                other=0.0)
+    q = _queries(q_ptr, beam, head, ok, stride_qw, stride_qh, HEAD_DIM)
     m_i, l_i, acc = _suffix_keys(q, ks_ptr, vs_ptr, beam, ok, kv_head, stride_ksw, stride_kss, stride_ksh, stride_vsw,
                                  stride_vss, stride_vsh, scale, m_i, l_i, acc, SUFFIX, HEAD_DIM)
     out = acc / l_i[:, None]
