@@ -119,8 +119,13 @@ def queue_for_deadline(deadline_ms: float, call_ms: float, per_call: int, calls:
     call_ms (with call_ms from the drain rate measured at 3x overload, the admitted P99 of three
     H200 overload runs within 6 %, bench/RESULTS.md).
     At least 1 per GPU."""
-    per_gpu = (0.9 * deadline_ms / call_ms - calls - 1) * per_call
-    return max(1, int(per_gpu)) * gpus
+    return max(1, int(deadline_room(deadline_ms, call_ms, per_call, calls))) * gpus
+
+
+def deadline_room(deadline_ms: float, call_ms: float, per_call: int, calls: int) -> float:
+    """queue_for_deadline's requests per GPU before rounding: below 1, the calls at once and a
+    request's own call already take most of the deadline."""
+    return (0.9 * deadline_ms / call_ms - calls - 1) * per_call
 
 
 DEFAULT_DEADLINE_MS = 80.0  # the latency SLO's P99 bound
@@ -191,7 +196,7 @@ def build(
             deadline_ms = deadline_ms or DEFAULT_DEADLINE_MS
             _, queue, call, per_call, calls = admission(deadline_ms, manifest["call_ms"], task.max_batch, workers,
                                                         contexts, gpus, batch)
-            fits = (0.9 * deadline_ms / call - calls - 1) * per_call >= 1
+            fits = deadline_room(deadline_ms, call, per_call, calls) >= 1
             progress(f"queue of {queue} for a {deadline_ms:g} ms deadline: a call of {per_call} request(s) at the "
                      f"token bounds takes {call:.1f} ms, {calls} such call(s) at once per GPU, on {gpus} GPU(s)"
                      + ("" if fits else "; the calls at once and a request's own call already take most of the "

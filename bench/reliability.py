@@ -42,8 +42,6 @@ import subprocess
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,16 +184,6 @@ def judge(a: dict, b: dict, tolerance: Tolerance) -> tuple[bool, float, float]:
     return ordered and worst <= tolerance.beam_score and shared >= tolerance.min_shared, worst, shared
 
 
-def answered_by(url: str, body: bytes, timeout: float) -> tuple[int, bytes, str | None]:
-    """POST a JSON body: (status, body, the worker's pid from the handler's X-Slm-Worker header)."""
-    req = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": JSON})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read(), r.headers.get("X-Slm-Worker")
-    except urllib.error.HTTPError as e:
-        return e.code, e.read(), e.headers.get("X-Slm-Worker")
-
-
 def run(url: str, management: str, model: str, bad: list[Probe], valid: list[Probe], threads: int = 4,
         timeout: float = 60.0, tolerance: Tolerance = Tolerance()) -> dict:
     """Send `valid` alone, twice over (their reference answers, and whether the same request alone
@@ -209,7 +197,9 @@ def run(url: str, management: str, model: str, bad: list[Probe], valid: list[Pro
     repeats, other_worker, workers = 0, 0, set()
     for attempt in range(2):
         for p in valid:
-            status, body, worker = answered_by(url, p.body, timeout)
+            got: dict = {}
+            status, body = http("POST", url, p.body, {"Content-Type": JSON}, timeout, got)
+            worker = got.get("x-slm-worker")  # the handler's pid
             if status != 200:
                 raise RuntimeError(f"a valid request alone got {status}: {body[:200]!r}")
             workers.add(worker)

@@ -27,14 +27,21 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-def http(method: str, url: str, body: bytes | None = None, headers: dict | None = None, timeout: float = 120):
-    """(status, body bytes); HTTP errors are returned, not raised."""
+def http(method: str, url: str, body: bytes | None = None, headers: dict | None = None, timeout: float = 120,
+         response_headers: dict | None = None):
+    """(status, body bytes); HTTP errors are returned, not raised. The response's headers go into
+    `response_headers` when given, their names in lower case."""
     req = urllib.request.Request(url, data=body, method=method, headers=headers or {})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read()
+            response = r
+            status, data = r.status, r.read()
     except urllib.error.HTTPError as e:
-        return e.code, e.read()
+        response = e
+        status, data = e.code, e.read()
+    if response_headers is not None:
+        response_headers.update((k.lower(), v) for k, v in response.headers.items())
+    return status, data
 
 
 class TorchServe:
