@@ -22,8 +22,11 @@ for lengths, (hq, hkv, d), block in json.loads(sys.argv[1]):
     t = sum(lengths)
     q, k, v = torch.randn(t, hq, d), torch.randn(t, hkv, d), torch.randn(t, hkv, d)
     cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
-    out = packed_attention(q, k, v, cu, d ** -0.5, max_seqlen=max(lengths), block_m=block, block_n=block)
-    errors.append((out - packed_attention_ref(q, k, v, cu, d ** -0.5)).abs().max().item())
+    ref = packed_attention_ref(q, k, v, cu, d ** -0.5)
+    for grouped, block_n in ((False, block), (True, block), (True, 2 * block)):  # grouped: a kv head's q heads together
+        out = packed_attention(q, k, v, cu, d ** -0.5, max_seqlen=max(lengths), block_m=block, block_n=block_n,
+                               grouped=grouped)
+        errors.append((out - ref).abs().max().item())
 print(json.dumps(errors))
 """
 
@@ -47,7 +50,7 @@ def run_check(script: str, cases: list):
 
 def test_packed_attention_matches_reference_in_interpreter():
     errors = run_check(PACKED_CHECK, PACKED_CASES)
-    assert len(errors) == len(PACKED_CASES) and max(errors) < 1e-5, errors
+    assert len(errors) == 3 * len(PACKED_CASES) and max(errors) < 1e-5, errors
 
 
 PREFIX_CHECK = r"""
