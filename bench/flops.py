@@ -60,11 +60,13 @@ def mlp_flops_per_token(spec: ModelSpec) -> int:
 def fp8_flops(spec: ModelSpec, precision: str, tokens: int, head: int = 0, skipped: int = 0) -> int:
     """Of a request's FLOPs, those in E4M3 linears (slm_core.fp8): the MLP over its `tokens` rows
     (less the last layer's over `skipped` prefill rows, those not at a sequence's end) for
-    fp8-mlp, and the LM head's `head` FLOPs too for fp8-mlp-lmhead; 0 for bf16 and fp32."""
+    fp8-mlp; the LM head's `head` FLOPs too for fp8-mlp-lmhead; for fp8-static the qkv
+    projection over all `tokens` rows too; 0 for bf16 and fp32."""
     if not precision.startswith("fp8"):
         return 0
     mlp = mlp_flops_per_token(spec) * tokens - mlp_flops_per_token(spec) // spec.num_layers * skipped
-    return mlp + (head if precision == "fp8-mlp-lmhead" else 0)
+    qkv = 2 * spec.hidden_size * (spec.q_size + 2 * spec.kv_size) * spec.num_layers * tokens
+    return mlp + (head if precision == "fp8-mlp-lmhead" else 0) + (qkv if precision == "fp8-static" else 0)
 
 
 def beam_fp8_flops(spec: ModelSpec, precision: str, prompt: int, width: int, new_tokens: int) -> int:

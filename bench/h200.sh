@@ -5,6 +5,7 @@
 #   bash bench/h200.sh check   # the fast GPU tests: kernels at full size, CUDA engine vs transformers, export
 #   bash bench/h200.sh check-full  # every GPU test (adds AOTInductor builds and a CUDA TorchServe worker)
 #   bash bench/h200.sh kernels # the kernel bench (attention, QK-norm + RoPE, vocabulary top-k)
+#   bash bench/h200.sh gemm    # the linears of W1 and of the beam decode: cuBLAS bf16, Inductor max-autotune, FP8
 #   bash bench/h200.sh bench   # the measured run: noop ceiling, every $SLM deployment and the HF
 #                              # peer on W1-W3, served-answer check, report, PNGs
 #   bash bench/h200.sh profile # where one request's time goes, per Triton archive, CUDA graphs on/off
@@ -45,6 +46,8 @@ check-full)
     python3 -m pytest -q -s tests/test_gpu.py -p no:cacheprovider ;;
 kernels)
     python3 -m bench.kernels_bench --out "$OUT/kernels_bench.json" ;;
+gemm)
+    python3 -m bench.gemm_bench --out "$OUT/gemm_bench.json" ;;
 bench)
     python3 -m bench.run "${ARGS[@]}" --out "$OUT" --warmup 1.5 --duration 3 --slm "$SLM" --no-build \
         --workloads "$WORKLOADS" --hf-workers 4 --systems "${SYSTEMS:-slm,hf}" "${@:2}"

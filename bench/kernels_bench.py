@@ -82,7 +82,7 @@ def prefill(lengths: list[int], hq: int, hkv: int, d: int) -> dict:
     r = out["results"]
     for bm, bn, warps, stages in ((64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (64, 32, 4, 3),
                                   (32, 32, 2, 2)):
-        fn = lambda: packed_attention(q, k, v, cu, scale, max(lengths), bm, bn, warps, stages)  # noqa: E731
+        fn = lambda: packed_attention(q, k, v, cu, scale, max(lengths), bm, bn, warps, stages, False)  # noqa: E731
         r[f"triton packed {bm}x{bn} w{warps} s{stages}"] = timed(fn, ref)
     group_pad = 1 << (hq // hkv - 1).bit_length()
     for rows, bn, warps, stages in ((64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3),

@@ -48,7 +48,8 @@ def label(r: dict) -> str:
         [f"async, {r['contexts']} contexts" + ("" if r.get("overlap", True) else ", calls taking turns")
          + (f", switch interval {r['switch_interval_ms']:g} ms" if r.get("switch_interval_ms") is not None else "")]
         if r.get("contexts") else []) + (
-        [{"fp8-mlp": "FP8 MLP", "fp8-mlp-lmhead": "FP8 MLP + LM head"}[r["precision"]]]
+        [{"fp8-mlp": "FP8 MLP", "fp8-mlp-lmhead": "FP8 MLP + LM head",
+          "fp8-static": "FP8 qkv + MLP, static scales"}[r["precision"]]]
         if r.get("precision", "").startswith("fp8") else []) + (
         ["fails the FP8 accuracy gate"] if r.get("fp8_gate_passes") is False else [])
     return f"slm ({', '.join([r['attention'], *extra])})"

@@ -36,7 +36,8 @@ from slm_core.package import gate_passes
 from slm_core.spec import ModelSpec
 
 BENCH = Path(__file__).resolve().parent
-PRECISION_SUFFIX = {"fp8-mlp": "_fp8", "fp8-mlp-lmhead": "_fp8head"}  # archive names of the fp8 builds
+PRECISION_SUFFIX = {"fp8-mlp": "_fp8", "fp8-mlp-lmhead": "_fp8head", "fp8-static": "_fp8static"}  # archive names of the fp8 builds
+OPTION_PRECISION = {"fp8": "fp8-mlp", "fp8head": "fp8-mlp-lmhead", "fp8static": "fp8-static"}  # their --slm options
 LEVELS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128]  # finer where the SLO usually binds
 
 
@@ -356,7 +357,7 @@ class Deployment:
     built: str = ""  # slm: the archive built, when `mar` is a configured copy of it
     ts_batch: int | None = None  # slm: TorchServe's batchSize when below `batch` (the graph's max_batch)
     capture_at_load: bool = False  # slm on CUDA: every CUDA-graph bucket captured at worker load (else on first call)
-    precision: str = "bf16"  # slm: the task's precision (bf16, fp8-mlp, fp8-mlp-lmhead; slm_core.fp8)
+    precision: str = "bf16"  # slm: the task's precision (bf16, fp8-mlp, fp8-mlp-lmhead, fp8-static; slm_core.fp8)
     contexts: int = 0  # slm: request contexts per worker in TorchServe's async mode (0: sync mode)
 
 
@@ -368,7 +369,7 @@ class Variant(NamedTuple):
     batch: int
     nographs: bool = False
     lazy: bool = False
-    precision: str | None = None  # the workload's; fp8: fp8-mlp; fp8head: fp8-mlp-lmhead (score archives: fp8-mlp)
+    precision: str | None = None  # the workload's, or OPTION_PRECISION's (score archives take fp8-mlp for fp8head)
     topk: bool = False
     gpus: int = 1
     ts_batch: int | None = None  # TorchServe's batchSize, when below `batch`
@@ -384,8 +385,8 @@ def parse_variant(text: str) -> Variant:
             v = v._replace(**{o: True})
         elif o in ("score", "beam"):
             v = v._replace(task=o)
-        elif o in ("fp8", "fp8head"):
-            v = v._replace(precision="fp8-mlp" if o == "fp8" else "fp8-mlp-lmhead")
+        elif o in OPTION_PRECISION:
+            v = v._replace(precision=OPTION_PRECISION[o])
         elif re.fullmatch(r"g[1-9][0-9]*", o):
             v = v._replace(gpus=int(o[1:]))
         elif re.fullmatch(r"tsb[1-9][0-9]*", o) and int(o[3:]) <= v.batch:
@@ -393,7 +394,7 @@ def parse_variant(text: str) -> Variant:
         elif re.fullmatch(r"ctx[1-9][0-9]*", o):
             v = v._replace(contexts=int(o[3:]))
         else:
-            raise SystemExit(f"--slm {text}: unknown option {o!r} (nographs, lazy, topk, fp8, fp8head, gN, tsbN "
+            raise SystemExit(f"--slm {text}: unknown option {o!r} (nographs, lazy, topk, fp8, fp8head, fp8static, gN, tsbN "
                              "with N <= BATCH, ctxN, score, beam)")
     return v
 

@@ -1,6 +1,7 @@
 """Pure-PyTorch references of the per-layer steps between the GEMMs: RMSNorm; splitting the fused
 QKV rows into heads, RMS-normalising q and k per head (Qwen3's QK-norm) and rotating them (RoPE);
-SiLU(gate) * up, and that quantised per row to E4M3 (the FP8 MLP's down-projection input). They
+SiLU(gate) * up, and that quantised to E4M3 per row or with one static scale (the FP8 MLPs'
+down-projection input). They
 define the interfaces kernels/qkv_rope.py and kernels/silu_mul.py implement, and are the path the
 reference graphs run. The arithmetic is transformers': RMSNorm normalises in
 FP32, rounds to the model dtype and scales by the weight in the model dtype; RoPE is
@@ -61,3 +62,14 @@ def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def silu_mul_quant_ref(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """silu_mul_ref then quantize_rows_ref: the FP8 down projection's input from [T, 2I]."""
     return quantize_rows_ref(silu_mul_ref(gate_up))
+
+
+def quantize_static_ref(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x -> E4M3 with one FP32 scale fixed in advance (x ~ q * scale); values past E4M3's range
+    saturate at its largest finite value."""
+    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def silu_mul_static_ref(gate_up: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """silu_mul_ref then quantize_static_ref."""
+    return quantize_static_ref(silu_mul_ref(gate_up), scale)

@@ -1,9 +1,11 @@
 """Packed varlen causal GQA attention (prefill) in Triton, and its wrapper.
 
-One program handles BLOCK_M query rows of one sequence for one query head: it streams that
-sequence's K/V blocks up to the causal limit with an FP32 online softmax, so no score matrix is
-ever stored and no cross-sequence pair is computed. K/V are read per kv head (h // G): never
-expanded. Reference: kernels.attention_ref.packed_attention_ref.
+One program handles BLOCK_M query rows of one sequence: it streams that sequence's K/V blocks up
+to the causal limit with an FP32 online softmax, so no score matrix is ever stored and no
+cross-sequence pair is computed. K/V are read per kv head, never expanded. The graphs' kernel
+(_packed_grouped_kernel) takes the G query heads of one kv head together as its rows, so each K/V
+tile is loaded once per group; the first one (_packed_attention_kernel, for the kernel bench) one
+query head per program. Reference: kernels.attention_ref.packed_attention_ref.
 
 Status: checked against the reference in Triton's CPU interpreter (fp32) and timed on the H200
 (bench/RESULTS.md). The graphs use it when built with RuntimeSpec(attention="triton"), the
@@ -110,13 +112,15 @@ def _packed_grouped_kernel(
 @triton_op("slm::packed_attention", mutates_args={})  # exports into AOTInductor graphs
 def packed_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float, max_seqlen: int,
-    block_m: int = 0, block_n: int = 64, num_warps: int = 4, num_stages: int = 3, grouped: bool = False,
+    block_m: int = 0, block_n: int = 0, num_warps: int = 4, num_stages: int = 3, grouped: bool = True,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D]; cu_seqlens: [N+1] int32; max_seqlen: a bound on every
     sequence's length (the task bound: the grid is static). Returns [T, Hq, D] in q's dtype.
-    block_m: query rows per program, 0 for 64. grouped: one program per kv head, its query heads'
-    rows together (_packed_grouped_kernel); block_m then counts positions, each with the group's
-    heads (padded to a power of two), 0 for GROUPED_ROWS rows."""
+    grouped (the graphs'): one program per kv head, its query heads' rows together
+    (_packed_grouped_kernel); block_m counts positions, each with the group's heads (padded to a
+    power of two), 0 for GROUPED_ROWS rows; block_n 0: 8 KB K/V tiles (32 keys at D = 128, 64 at
+    64), the fastest on the H200 at W1 and W3 (1.1x the ungrouped kernel, bench/RESULTS.md).
+    Ungrouped: one program per query head, block_m rows, 0 for 64; block_n 0 for 64."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     if hq % hkv or d not in (16, 32, 64, 128) or k.shape != v.shape or k.shape[0] != t:
@@ -130,13 +134,14 @@ def packed_attention(
     if grouped:
         group_pad = triton.next_power_of_2(hq // hkv)
         block_m = block_m or max(1, GROUPED_ROWS // group_pad)
+        block_n = block_n or min(128, 4096 // d)
         grid = (triton.cdiv(max_seqlen, block_m), cu_seqlens.shape[0] - 1, hkv)
         wrap_triton(_packed_grouped_kernel)[grid](
             q, k, v, out, cu_seqlens, scale, *strides, GROUP=hq // hkv, GROUP_PAD=group_pad, HEAD_DIM=d,
             BLOCK_M=block_m, BLOCK_N=block_n, **options,
         )
         return out
-    block_m = block_m or 64
+    block_m, block_n = block_m or 64, block_n or 64
     grid = (triton.cdiv(max_seqlen, block_m), cu_seqlens.shape[0] - 1, hq)
     wrap_triton(_packed_attention_kernel)[grid](
         q, k, v, out, cu_seqlens, scale, *strides,

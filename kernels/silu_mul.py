@@ -1,6 +1,7 @@
 """SiLU(gate) * up in one Triton kernel, and its wrapper. Reference: kernels.layer_ref.silu_mul_ref.
 With FP8 (slm_core.fp8), silu_mul_quant also quantises each row to E4M3 in the same kernel, so the
-[T, I] product is never written in the model dtype. Reference: kernels.layer_ref.silu_mul_quant_ref.
+[T, I] product is never written in the model dtype (reference: kernels.layer_ref.silu_mul_quant_ref),
+and silu_mul_static quantises it with one scale fixed at build (kernels.layer_ref.silu_mul_static_ref).
 
 The fused gate/up projection writes [T, 2I]; this reads each row's two halves once and writes
 [T, I]. Inductor's own kernel for the same expression is autotuned at build time, and a build
@@ -25,13 +26,16 @@ def _silu_mul(x_ptr, row, cols, ok, inner, stride_x, dtype: tl.constexpr):
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, inner, stride_x, stride_out, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, scale_ptr, inner, stride_x, stride_out, BLOCK: tl.constexpr,
+                     STATIC: tl.constexpr):
+    """One block of a row; STATIC: divided by the scale at scale_ptr, saturated to E4M3's range."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inner
-    dtype = out_ptr.dtype.element_ty
-    tl.store(out_ptr + row * stride_out + cols, _silu_mul(x_ptr, row, cols, ok, inner, stride_x, dtype).to(dtype),
-             mask=ok)
+    y = _silu_mul(x_ptr, row, cols, ok, inner, stride_x, x_ptr.dtype.element_ty)
+    if STATIC:
+        y = tl.clamp(y / tl.load(scale_ptr), -448.0, 448.0)
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -53,17 +57,28 @@ def _silu_mul_quant_kernel(x_ptr, q_ptr, scale_ptr, inner, stride_x, stride_q, B
     tl.store(scale_ptr + row, scale)
 
 
-@triton_op("slm::silu_mul", mutates_args={})  # exports into AOTInductor graphs
-def silu_mul(gate_up: torch.Tensor, block: int = 1024) -> torch.Tensor:
-    """As kernels.layer_ref.silu_mul_ref."""
+def _silu_mul_into(gate_up: torch.Tensor, out_dtype: torch.dtype, scale: torch.Tensor | None, block: int):
     t, width = gate_up.shape
     if width % 2 or gate_up.stride(1) != 1:
         raise ValueError(f"silu_mul: needs [T, 2I] with contiguous rows, got {tuple(gate_up.shape)}")
-    out = gate_up.new_empty(t, width // 2)
+    out = gate_up.new_empty(t, width // 2, dtype=out_dtype)
     wrap_triton(_silu_mul_kernel)[(t, triton.cdiv(width // 2, block))](
-        gate_up, out, width // 2, gate_up.stride(0), out.stride(0), BLOCK=block,
+        gate_up, out, gate_up if scale is None else scale, width // 2, gate_up.stride(0), out.stride(0), BLOCK=block,
+        STATIC=scale is not None,
     )
     return out
+
+
+@triton_op("slm::silu_mul", mutates_args={})  # exports into AOTInductor graphs
+def silu_mul(gate_up: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """As kernels.layer_ref.silu_mul_ref."""
+    return _silu_mul_into(gate_up, gate_up.dtype, None, block)
+
+
+@triton_op("slm::silu_mul_static", mutates_args={})
+def silu_mul_static(gate_up: torch.Tensor, scale: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """As kernels.layer_ref.silu_mul_static_ref: E4M3 [T, I], scale a one-element FP32 tensor."""
+    return _silu_mul_into(gate_up, torch.float8_e4m3fn, scale, block)
 
 
 @triton_op("slm::silu_mul_quant", mutates_args={})

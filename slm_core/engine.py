@@ -17,7 +17,7 @@ import torch
 
 from slm_core.checkpoint import Checkpoint, classifier_head, load_checkpoint
 from slm_core.errors import InputError
-from slm_core.fp8 import quantize_linears
+from slm_core.fp8 import CALIBRATION_TEXTS, STATIC, calibrate, quantize_linears
 from slm_core.graphs import BeamGraph, ScoreGraph
 from slm_core.model import Transformer
 from slm_core.spec import PRECISIONS, RuntimeSpec, TaskSpec
@@ -51,8 +51,21 @@ def build_graph(ckpt: Checkpoint, task: TaskSpec, runtime: RuntimeSpec) -> tuple
         if runtime.topk == "triton":
             from kernels.vocab_topk import vocab_topk as topk
         graph = BeamGraph(model, task.beam_width, task.new_tokens, stop, pad_id=stop[0] if stop else 0, topk=topk)
-    quantize_linears(model, task.precision, runtime.attention == "triton")  # fp8: E4M3 modules in place of bf16
-    return graph.to(runtime.device).eval(), tokenizer
+    graph = graph.to(runtime.device).eval()
+    amax = _calibrate(model, graph, tokenizer, task, runtime) if task.precision in STATIC else None
+    quantize_linears(model, task.precision, runtime.attention == "triton", amax)  # fp8: E4M3 modules in place of bf16
+    return graph, tokenizer
+
+
+def _calibrate(model: Transformer, graph: torch.nn.Module, tokenizer: PackedTokenizer, task: TaskSpec,
+               runtime: RuntimeSpec) -> dict:
+    """fp8-static's calibration (slm_core.fp8.calibrate): the graph, still in bf16, run eagerly on
+    each of CALIBRATION_TEXTS as a request of one text or one prompt; those past the task's bounds
+    are skipped."""
+    engine = Engine(graph, tokenizer, task, runtime)
+    if task.task == "score":
+        return calibrate(model, lambda: [engine.run_score_batch([[text]]) for text in CALIBRATION_TEXTS])
+    return calibrate(model, lambda: [engine.run_beam_batch([text]) for text in CALIBRATION_TEXTS])
 
 
 class Context:
@@ -140,9 +153,10 @@ class Engine:
             if isinstance(span, InputError):
                 results.append(span)
                 continue
-            rows, ends, scores = (out[span[0]] for out in outputs)
-            candidates = [{"text": self.tokenizer.decode(ids[:end]), "token_ids": ids[:end], "score": score}
-                          for ids, end, score in zip(rows, ends, scores)]
+            rows, ends, scores = (out[span[0]] for out in outputs)  # [W][new_tokens], [W], [W]
+            ids = [row[:end] for row, end in zip(rows, ends)]
+            candidates = [{"text": text, "token_ids": i, "score": score}
+                          for text, i, score in zip(self.tokenizer.decode_each(ids), ids, scores)]
             results.append((candidates, CallStats(1, span[2], graph_ms, batch, captured)))
         return results
 

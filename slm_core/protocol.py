@@ -26,8 +26,10 @@ class Reply:
 
 
 def encode(obj: Any) -> bytes:
-    # Compact and deterministic: the same answer is the same bytes.
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
+    # Compact and deterministic: the same answer is the same bytes. No cycle check: every object is
+    # built here, and the check costs ~10 % of a beam reply's encoding (its 100 candidate dicts).
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False,
+                      check_circular=False).encode("utf-8")
 
 
 def error(status: int, message: str) -> Reply:
@@ -111,7 +113,10 @@ def _call(engine: Engine, values: list, members: list[int], replies: list) -> No
     for i, result in zip(members, results):
         if isinstance(result, InputError):
             replies[i] = error(400, str(result))
-        elif score:
-            replies[i] = Reply(200, encode({"labels": list(engine.task.labels), "scores": result[0]}), result[1])
-        else:
-            replies[i] = Reply(200, encode({"candidates": result[0]}), result[1])
+            continue
+        try:
+            body = {"labels": list(engine.task.labels), "scores": result[0]} if score else {"candidates": result[0]}
+            replies[i] = Reply(200, encode(body), result[1])
+        except ValueError:  # a NaN or infinity from the graph, which JSON cannot carry: this request only
+            log.exception("a non-finite number in a graph's output")
+            replies[i] = error(500, "internal error: the model produced a non-finite number")

@@ -14,7 +14,8 @@ from slm_core.errors import SpecError
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 # precision -> the model's dtype; the fp8 precisions keep bf16 outside their E4M3 linears (slm_core.fp8)
-PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp8-mlp": "bfloat16", "fp8-mlp-lmhead": "bfloat16"}
+PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp8-mlp": "bfloat16", "fp8-mlp-lmhead": "bfloat16",
+              "fp8-static": "bfloat16"}
 
 
 @dataclass(frozen=True)

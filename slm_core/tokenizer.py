@@ -124,3 +124,10 @@ class PackedTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def decode_each(self, sequences: list[list[int]]) -> list[str]:
+        """decode of each sequence. One at a time on purpose: decode_batch hands them to the
+        tokenizer's threads, which take longer to wake than a call's 100-400 short candidates take
+        to decode (W3, 2 prompts, calls 3 ms apart on 2 cores: 0.35 ms against 0.2 ms)."""
+        decode = self.tokenizer.decode
+        return [decode(ids, skip_special_tokens=True) for ids in sequences]

@@ -81,6 +81,8 @@ def test_flops_by_hand():
     assert flops.fp8_flops(spec, "fp8-mlp-lmhead", 7, head=1600) == 1536 * 7 + 1600
     assert flops.fp8_flops(spec, "fp8-mlp", 7, skipped=2) == 1536 * 7 - 768 * 2  # the last layer's MLP on 2 rows less
     assert flops.beam_fp8_flops(spec, "fp8-mlp", 3, 2, 3) == 1536 * 7 - 768 * 2
+    # fp8-static: qkv (128 MACs per layer) over every row too, the last layer's included
+    assert flops.fp8_flops(spec, "fp8-static", 7, head=1600, skipped=2) == 1536 * 7 - 768 * 2 + 2 * 128 * 2 * 7
     # effective MFU: each precision at its own peak (FP8's is twice bf16's on the H200)
     assert flops.mfu_effective(100.0, 989e10, 0.0) == pytest.approx(1.0)
     assert flops.mfu_effective(100.0, 989e10, 989e10) == pytest.approx(989 / 1979)
@@ -187,6 +189,7 @@ def test_variants_parse_options_and_refuse_unknown_ones():
     assert parse_variant("triton:2:8:lazy") == Variant("triton", 2, 8, lazy=True)
     assert parse_variant("triton:2:8:fp8").precision == "fp8-mlp"
     assert parse_variant("triton:2:8:topk:fp8head").precision == "fp8-mlp-lmhead"
+    assert parse_variant("triton:1:4:ctx2:fp8static").precision == "fp8-static"
     assert parse_variant("triton:2:8").precision is None  # the workload's own
     assert parse_variant("triton:1:8:topk:ctx3") == Variant("triton", 1, 8, topk=True, contexts=3)
     assert parse_variant("triton:2:8:topk:beam").task == "beam" and parse_variant("triton:2:8").task is None

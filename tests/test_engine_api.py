@@ -103,3 +103,23 @@ def test_beam_batch_packs_prompts_into_one_call(random_checkpoint):
     mixed = engine.run_beam_batch(["word " * 40, "search"])
     assert isinstance(mixed[0], InputError) and "max_prompt_tokens=24" in str(mixed[0])
     assert [c["token_ids"] for c in mixed[1][0]] == [c["token_ids"] for c in engine.beam("search")]
+
+
+def test_a_non_finite_output_is_a_500_for_its_request_only():
+    """JSON has no NaN: a graph answering one is a 500 for the request it belongs to, the batch's
+    bad request still gets its 400, and respond_batch does not raise."""
+    import torch
+
+    from slm_core.protocol import respond_batch
+    from slm_core.spec import RuntimeSpec, TaskSpec
+    from slm_core.tokenizer import PackedTokenizer
+
+    class NanGraph(torch.nn.Module):
+        def forward(self, ids, cu):
+            return torch.full((cu.shape[0] - 1, 2), float("nan"))
+
+    task = TaskSpec.from_dict(dict(task="score", labels=["Yes", "No"], max_texts=4, max_text_tokens=32, max_batch=2))
+    tokenizer = PackedTokenizer(load_checkpoint(smollm2_path()).tokenizer, task)
+    engine = Engine(NanGraph(), tokenizer, task, RuntimeSpec("cpu"))
+    replies = respond_batch(engine, [{"body": b'{"texts": ["a"]}'}, {"body": b'{"texts": 3}'}])
+    assert [r.status for r in replies] == [500, 400] and b"non-finite" in replies[0].body

@@ -12,7 +12,9 @@ from slm_core import SpecError
 from slm_core.checkpoint import load_checkpoint
 from kernels.layer_ref import E4M3_MAX
 from kernels.layer_ref import quantize_rows_ref as quantize_rows
-from slm_core.fp8 import Fp8Linear, Fp8MLP, quantize_linears
+from kernels.layer_ref import quantize_static_ref
+from slm_core.fp8 import (CALIBRATION_TEXTS, STATIC_HEADROOM, Fp8Linear, Fp8MLP, StaticFp8Linear, StaticFp8MLP, calibrate,
+                          quantize_linears, static_linears)
 from slm_core.spec import TaskSpec
 from test_hf_equality import engine_for
 
@@ -67,6 +69,60 @@ def test_the_fp8_mlp_is_its_linears_composed_and_refuses_odd_widths():
         Fp8Linear(torch.nn.Linear(64, 100))
 
 
+def test_static_fp8_linear_is_the_product_of_its_operands_and_saturates_past_its_range():
+    """One scale per tensor: the weight's from its largest |value|, the input's fixed in advance
+    (twice the calibrated largest |input|); an input already in E4M3 is taken as it is."""
+    torch.manual_seed(0)
+    for bias in (False, True):
+        linear = torch.nn.Linear(64, 96, bias=bias).bfloat16()
+        fp8 = StaticFp8Linear(linear, input_amax=3.0)
+        assert fp8.input_scale.item() == pytest.approx(3.0 * STATIC_HEADROOM / E4M3_MAX)
+        assert fp8.weight_scale.item() == pytest.approx(linear.weight.float().abs().max().item() / E4M3_MAX)
+        x = torch.randn(14, 64).bfloat16()
+        y = fp8(x)
+        assert y.shape == (14, 96) and y.dtype == torch.bfloat16 and fp8.weight.dtype == torch.float8_e4m3fn
+        qx = quantize_static_ref(x, fp8.input_scale)
+        want = (qx.float() * fp8.input_scale) @ (fp8.weight.float() * fp8.weight_scale).t()
+        if bias:
+            want = want + linear.bias.float()
+        torch.testing.assert_close(y.float(), want, atol=0.02, rtol=0.01)
+        assert torch.equal(fp8(qx), y)  # already quantised: the same product
+        ref = linear(x).float()
+        assert (y.float() - ref).norm() / ref.norm() < 0.08
+    # past twice the calibrated range an input saturates at E4M3's largest value
+    big = torch.full((1, 64), 100.0).bfloat16()
+    assert quantize_static_ref(big, fp8.input_scale).float().max().item() == E4M3_MAX
+    with pytest.raises(SpecError, match="multiples of 16"):
+        StaticFp8Linear(torch.nn.Linear(64, 100), 1.0)
+
+
+def test_calibration_records_each_linear_input_and_fp8_static_swaps_qkv_and_the_mlp(random_checkpoint):
+    """calibrate: the largest |input| of every qkv, gate/up and down over the calls it watches,
+    read against hooks of our own; fp8-static swaps exactly those, with those input scales."""
+    ckpt = load_checkpoint(random_checkpoint("qwen3")[0])
+    engine = engine_for(ckpt, **SCORE, precision="bf16")
+    model, texts = engine.graph.model, [["search engines rank documents"], ["a b c d e f g"]]
+    seen = {}
+    hooks = [lin.register_forward_pre_hook(lambda m, a: seen.__setitem__(m, max(seen.get(m, 0.0), a[0].abs().max().item())))
+             for lin in static_linears(model)]
+    amax = calibrate(model, lambda: [engine.run_score_batch([t]) for t in texts])
+    for h in hooks:
+        h.remove()
+    assert len(amax) == 3 * len(model.layers) and amax == seen and all(v > 0 for v in amax.values())
+    qkv, gate_up, down = model.layers[1].attn.qkv, model.layers[1].mlp.gate_up, model.layers[1].mlp.down
+    with pytest.raises(SpecError, match="needs calibrated input scales"):
+        quantize_linears(model, "fp8-static")
+    quantize_linears(model, "fp8-static", amax=amax)
+    layer = model.layers[1]
+    assert isinstance(layer.attn.qkv, StaticFp8Linear) and isinstance(layer.mlp, StaticFp8MLP)
+    assert layer.attn.o.__class__ is torch.nn.Linear and model.lm_head.__class__ is torch.nn.Linear
+    for module, swapped in ((qkv, layer.attn.qkv), (gate_up, layer.mlp.gate_up), (down, layer.mlp.down)):
+        assert swapped.input_scale.item() == pytest.approx(amax[module] * STATIC_HEADROOM / E4M3_MAX)
+    with pytest.raises(SpecError, match="no calibration text reached"):
+        calibrate(engine_for(ckpt, **SCORE, precision="bf16").graph.model, lambda: None)
+    assert len(CALIBRATION_TEXTS) >= 10
+
+
 def test_each_precision_swaps_only_its_linears(random_checkpoint):
     ckpt = load_checkpoint(random_checkpoint("qwen2")[0])
     for precision, mlp, head in (("bf16", False, False), ("fp8-mlp", True, False), ("fp8-mlp-lmhead", True, True)):
@@ -98,6 +154,13 @@ def test_fp8_engines_answer_close_to_bf16_and_the_gate_measures_it(random_checkp
         fp8_gate(ckpt, RuntimeSpec("cpu"), fp8, max_diff=gate["max_abs_diff"] / 2, min_shared=0.5)
     assert gate_passes(gate, max_diff=gate["max_abs_diff"]) and not gate_passes(gate, max_diff=gate["max_abs_diff"] / 2)
 
+    static = engine_for(ckpt, **SCORE, precision="fp8-static")  # calibrated in build_graph
+    assert isinstance(static.graph.model.layers[0].attn.qkv, StaticFp8Linear)
+    diffs = [abs(a - b) for r, s in zip(bf16.score(texts), static.score(texts)) for a, b in zip(r, s)]
+    assert 0 < max(diffs) < 0.1
+    gate = fp8_gate(ckpt, RuntimeSpec("cpu"), static, max_diff=0.1, min_shared=0.5)
+    assert 0 < gate["mean_abs_diff"] <= gate["max_abs_diff"] < 0.1
+
     beam = engine_for(ckpt, **BEAM, precision="fp8-mlp-lmhead")
     assert isinstance(beam.graph.model.lm_head, Fp8Linear)
     gate = fp8_gate(ckpt, RuntimeSpec("cpu"), beam, max_diff=0.1, min_shared=0.0)
@@ -105,21 +168,26 @@ def test_fp8_engines_answer_close_to_bf16_and_the_gate_measures_it(random_checkp
     with pytest.raises(SpecError, match="fails its accuracy gate"):
         fp8_gate(ckpt, RuntimeSpec("cpu"), beam, max_diff=0.1, min_shared=1.01)
     assert gate_passes(gate, min_shared=gate["shared_candidates"]) and not gate_passes(gate, min_shared=1.01)
+    static = engine_for(ckpt, **BEAM, precision="fp8-static")  # calibrated on beam calls, decode steps included
+    gate = fp8_gate(ckpt, RuntimeSpec("cpu"), static, max_diff=0.1, min_shared=0.0)
+    assert gate["prompts"] >= 3 and 0 <= gate["worst_prompt"] <= gate["shared_candidates"] <= 1
 
 
 @pytest.mark.slow
-def test_fp8_score_build_compiles_matches_eager_and_records_its_gate(random_checkpoint, tmp_path):
-    """An fp8-mlp score package (AOTInductor, CPU): compiled equals eager, the manifest records the
-    precision and the gate, and the served engine loads it."""
+@pytest.mark.parametrize("precision", ["fp8-mlp", "fp8-static"])
+def test_fp8_score_build_compiles_matches_eager_and_records_its_gate(random_checkpoint, tmp_path, precision):
+    """An fp8 score package (AOTInductor, CPU): compiled equals eager, the manifest records the
+    precision and the gate, and the served engine loads it (fp8-static: with the scales its build
+    calibrated, as the eager graph calibrates them)."""
     from slm_core.package import MANIFEST, TOLERANCE, build_package, load_package
 
     ckpt = load_checkpoint(random_checkpoint("qwen3")[0])
-    task = TaskSpec.from_dict({**SCORE, "precision": "fp8-mlp"})
+    task = TaskSpec.from_dict({**SCORE, "precision": precision})
     manifest = build_package(ckpt, task, "cpu", tmp_path / "pkg", fp8_max_diff=0.1)
     assert manifest == json.loads((tmp_path / "pkg" / MANIFEST).read_text())
-    assert manifest["task"]["precision"] == "fp8-mlp" and manifest["dtype"] == "bfloat16"
+    assert manifest["task"]["precision"] == precision and manifest["dtype"] == "bfloat16"
     assert manifest["fp8_gate"]["max_abs_diff"] < 0.1 and manifest["check"]["max_abs_diff"] <= 5e-2
-    eager = engine_for(ckpt, **SCORE, precision="fp8-mlp")
+    eager = engine_for(ckpt, **SCORE, precision=precision)
     texts = ["search engines rank documents", "a"]
     for row, ref in zip(load_package(tmp_path / "pkg").score(texts), eager.score(texts)):
-        assert row == pytest.approx(ref, abs=TOLERANCE["fp8-mlp"])  # Inductor rounds a few values to the next E4M3 step
+        assert row == pytest.approx(ref, abs=TOLERANCE[precision])  # Inductor rounds a few values to the next E4M3 step

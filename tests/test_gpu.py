@@ -294,6 +294,46 @@ def test_fp8_graphs_bf16_against_bf16_and_export(random_checkpoint):
     export_graph(quant.graph, quant.task)
 
 
+@pytest.mark.parametrize("t, inner", [(1641, 3072), (801, 4864)])
+def test_silu_mul_static_bf16_full_size(t, inner):
+    """fp8-static's SiLU·up quantised with a fixed scale: values within one E4M3 step of the reference."""
+    from kernels.layer_ref import silu_mul_static_ref
+    from kernels.silu_mul import silu_mul_static
+
+    torch.manual_seed(t)
+    x = (torch.randn(t, 2 * inner, device="cuda") * 4).bfloat16()
+    scale = torch.tensor(40.0 / 448, device="cuda")
+    q, rq = silu_mul_static(x, scale), silu_mul_static_ref(x, scale)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (t, inner)
+    got, want = q.float() * scale, rq.float() * scale
+    assert ((got - want).abs() <= want.abs() / 8 + scale * 2 ** -9).all()
+
+
+def test_fp8_static_graphs_bf16_on_cuda(random_checkpoint):
+    """fp8-static (per-tensor E4M3 qkv and MLP, input scales calibrated at build) with the Triton
+    kernels: StaticFp8Linear at the W1 gate/up shape is the product of its operands on cuBLAS; the
+    score and beam graphs pass the accuracy gate against bf16 and export."""
+    from kernels.layer_ref import quantize_static_ref
+    from slm_core.fp8 import StaticFp8Linear
+    from slm_core.package import fp8_gate
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(1024, 6144, device="cuda").bfloat16()
+    fp8, x = StaticFp8Linear(linear, 4.0), torch.randn(1700, 1024, device="cuda").bfloat16()
+    qx = quantize_static_ref(x, fp8.input_scale)
+    want = (qx.float() * fp8.input_scale) @ (fp8.weight.float() * fp8.weight_scale).t() + linear.bias.float()
+    assert rel_err(fp8(x), want) <= 1e-2
+    ckpt = load_checkpoint(random_checkpoint("qwen3")[0])
+    for task, runtime in ((dict(task="score", labels=["yes", "no"], max_texts=4, max_text_tokens=32),
+                           RuntimeSpec("cuda", "triton")),
+                          (dict(task="beam", beam_width=16, new_tokens=4, max_prompt_tokens=32),
+                           RuntimeSpec("cuda", "triton", "triton"))):
+        quant = engine_for(ckpt, runtime, **task, precision="fp8-static")
+        gate = fp8_gate(ckpt, runtime, quant, max_diff=0.1, min_shared=0.5)
+        print(f"\nfp8-static {task['task']}: {gate}")
+        export_graph(quant.graph, quant.task)
+
+
 @pytest.mark.parametrize("rows", [1, 100, 800])
 def test_vocab_topk_bf16_full_size(rows):
     """The beam step's shape (V = 151,936, k = 2W = 200): the same values as torch.topk, ids that
