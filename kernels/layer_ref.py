@@ -64,12 +64,12 @@ def silu_mul_quant_ref(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return quantize_rows_ref(silu_mul_ref(gate_up))
 
 
-def quantize_static_ref(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def quantize_static_ref(x: torch.Tensor, scale: "torch.Tensor | float") -> torch.Tensor:
     """x -> E4M3 with one FP32 scale fixed in advance (x ~ q * scale); values past E4M3's range
     saturate at its largest finite value."""
     return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
-def silu_mul_static_ref(gate_up: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def silu_mul_static_ref(gate_up: torch.Tensor, scale: "torch.Tensor | float") -> torch.Tensor:
     """silu_mul_ref then quantize_static_ref."""
     return quantize_static_ref(silu_mul_ref(gate_up), scale)

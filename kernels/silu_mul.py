@@ -26,15 +26,15 @@ def _silu_mul(x_ptr, row, cols, ok, inner, stride_x, dtype: tl.constexpr):
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, scale_ptr, inner, stride_x, stride_out, BLOCK: tl.constexpr,
+def _silu_mul_kernel(x_ptr, out_ptr, scale, inner, stride_x, stride_out, BLOCK: tl.constexpr,
                      STATIC: tl.constexpr):
-    """One block of a row; STATIC: divided by the scale at scale_ptr, saturated to E4M3's range."""
+    """One block of a row; STATIC: divided by `scale`, saturated to E4M3's range."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inner
     y = _silu_mul(x_ptr, row, cols, ok, inner, stride_x, x_ptr.dtype.element_ty)
     if STATIC:
-        y = tl.clamp(y / tl.load(scale_ptr), -448.0, 448.0)
+        y = tl.clamp((y / scale).to(tl.float32), -448.0, 448.0)  # AOTI may pass scale as fp64
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -57,14 +57,13 @@ def _silu_mul_quant_kernel(x_ptr, q_ptr, scale_ptr, inner, stride_x, stride_q, B
     tl.store(scale_ptr + row, scale)
 
 
-def _silu_mul_into(gate_up: torch.Tensor, out_dtype: torch.dtype, scale: torch.Tensor | None, block: int):
+def _silu_mul_into(gate_up: torch.Tensor, out_dtype: torch.dtype, scale: float, block: int):
     t, width = gate_up.shape
     if width % 2 or gate_up.stride(1) != 1:
         raise ValueError(f"silu_mul: needs [T, 2I] with contiguous rows, got {tuple(gate_up.shape)}")
     out = gate_up.new_empty(t, width // 2, dtype=out_dtype)
     wrap_triton(_silu_mul_kernel)[(t, triton.cdiv(width // 2, block))](
-        gate_up, out, gate_up if scale is None else scale, width // 2, gate_up.stride(0), out.stride(0), BLOCK=block,
-        STATIC=scale is not None,
+        gate_up, out, scale, width // 2, gate_up.stride(0), out.stride(0), BLOCK=block, STATIC=scale > 0,
     )
     return out
 
@@ -72,12 +71,15 @@ def _silu_mul_into(gate_up: torch.Tensor, out_dtype: torch.dtype, scale: torch.T
 @triton_op("slm::silu_mul", mutates_args={})  # exports into AOTInductor graphs
 def silu_mul(gate_up: torch.Tensor, block: int = 1024) -> torch.Tensor:
     """As kernels.layer_ref.silu_mul_ref."""
-    return _silu_mul_into(gate_up, gate_up.dtype, None, block)
+    return _silu_mul_into(gate_up, gate_up.dtype, 0.0, block)
 
 
 @triton_op("slm::silu_mul_static", mutates_args={})
-def silu_mul_static(gate_up: torch.Tensor, scale: torch.Tensor, block: int = 1024) -> torch.Tensor:
-    """As kernels.layer_ref.silu_mul_static_ref: E4M3 [T, I], scale a one-element FP32 tensor."""
+def silu_mul_static(gate_up: torch.Tensor, scale: float, block: int = 1024) -> torch.Tensor:
+    """As kernels.layer_ref.silu_mul_static_ref: E4M3 [T, I]. The scale is a number fixed at build,
+    not a tensor: AOTInductor folds a 0-dim constant tensor into a value that a Triton kernel's
+    signature cannot take (InductorError "'<=' not supported between 'Constant' and 'int'", the
+    H200 build of 2026-12-01)."""
     return _silu_mul_into(gate_up, torch.float8_e4m3fn, scale, block)
 
 

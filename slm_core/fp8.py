@@ -117,8 +117,8 @@ class StaticFp8Linear(nn.Module):
         weight_scale = w.float().abs().amax().clamp_min(1e-12) / E4M3_MAX
         self.register_buffer("weight", quantize_static_ref(w, weight_scale))  # [N, K] row-major: .t() is column-major
         self.register_buffer("weight_scale", weight_scale)
-        self.register_buffer("input_scale", torch.tensor(max(input_amax, 1e-6) * STATIC_HEADROOM / E4M3_MAX,
-                                                         device=w.device))
+        self.input_scale_value = max(input_amax, 1e-6) * STATIC_HEADROOM / E4M3_MAX  # for kernels that take a number
+        self.register_buffer("input_scale", torch.tensor(self.input_scale_value, device=w.device))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
         self.out_dtype = linear.weight.dtype
 
@@ -140,7 +140,7 @@ class StaticFp8MLP(nn.Module):
         self.silu_mul_static = silu_mul_static
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.silu_mul_static(self.gate_up(x), self.down.input_scale))
+        return self.down(self.silu_mul_static(self.gate_up(x), self.down.input_scale_value))
 
 
 def static_linears(model: nn.Module) -> list[nn.Linear]:
