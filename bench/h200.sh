@@ -29,10 +29,11 @@ source .devbundle/setup.sh
 WORK=.bench-work
 COMMIT=${COMMIT:-unknown}
 # every slm archive the steps below use: attention:workers:batch (the workers do not need a build)
-VARIANTS=${VARIANTS:-triton:1:4:score,triton:1:8:topk:beam}
+VARIANTS=${VARIANTS:-triton:1:4:score,triton:1:4:fp8static:score,triton:1:8:topk:beam}
 # the deployments measured: the archiver's defaults, two sync workers (score: max_batch 4; beam: 8;
-# bench/RESULTS.md, runs 2026-12-01), and score by one async worker with 2 request contexts
-SLM=${SLM:-triton:2:4:score,triton:1:4:ctx2:score,triton:2:8:topk:beam}
+# bench/RESULTS.md, runs 2026-12-01), and score by one async worker with 2 request contexts, in bf16
+# and in fp8-static (W1's fastest, run 075105Z)
+SLM=${SLM:-triton:2:4:score,triton:1:4:ctx2:score,triton:1:4:ctx2:fp8static:score,triton:2:8:topk:beam}
 WORKLOADS=${WORKLOADS:-W3,W2,W1}
 PIPE=$WORK/out
 ARGS=(--device cuda --tokenizer bench/assets/tokenizer.json --work "$WORK" --commit "$COMMIT")
@@ -66,7 +67,8 @@ contexts)
     done ;;
 profile)
     # one request per call, with and without CUDA graphs, per built Triton archive
-    for mar in "$WORK"/model-store/slm_*_triton_b?.mar "$WORK"/model-store/slm_*_triton_b?_topk.mar; do
+    for mar in "$WORK"/model-store/slm_*_triton_b?.mar "$WORK"/model-store/slm_*_triton_b?_topk.mar \
+               "$WORK"/model-store/slm_*_triton_b?_fp8static.mar; do
         [ -e "$mar" ] || continue
         name=$(basename "$mar" .mar)
         [ -d "$WORK/unpacked/$name" ] || python3 -m zipfile -e "$mar" "$WORK/unpacked/$name"
