@@ -80,17 +80,13 @@ def prefill(lengths: list[int], hq: int, hkv: int, d: int) -> dict:
     ref = packed_attention_ref(q.float(), k.float(), v.float(), cu, scale)
     out = {"shape": f"{len(lengths)} seqs, {t} tokens, {hq}/{hkv} heads, d={d}", "results": {}}
     r = out["results"]
-    for bm, bn, warps, stages in ((64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (64, 32, 4, 3),
-                                  (32, 32, 2, 2)):
-        fn = lambda: packed_attention(q, k, v, cu, scale, max(lengths), bm, bn, warps, stages, False)  # noqa: E731
-        r[f"triton packed {bm}x{bn} w{warps} s{stages}"] = timed(fn, ref)
     group_pad = 1 << (hq // hkv - 1).bit_length()
-    for rows, bn, warps, stages in ((64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3),
-                                    (64, 32, 4, 3), (256, 64, 8, 3)):  # a kv head's query heads in one program
+    for rows, bn, warps, stages in ((64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3),
+                                    (128, 32, 4, 3), (256, 64, 8, 3)):  # rows: positions x the padded group
         bm = max(1, rows // group_pad)
         if bm * group_pad >= 16:
-            fn = lambda: packed_attention(q, k, v, cu, scale, max(lengths), bm, bn, warps, stages, True)  # noqa: E731
-            r[f"triton packed grouped {bm} positions x {group_pad} heads, {bn} keys w{warps} s{stages}"] = timed(fn, ref)
+            fn = lambda: packed_attention(q, k, v, cu, scale, max(lengths), bm, bn, warps, stages)  # noqa: E731
+            r[f"triton packed {bm} positions x {group_pad} heads, {bn} keys w{warps} s{stages}"] = timed(fn, ref)
     r["reference (dense mask)"] = timed(lambda: packed_attention_ref(q, k, v, cu, scale), ref)
 
     # Padded flash: each token's row in the padded [N * Lmax] layout, computed once per request

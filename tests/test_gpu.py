@@ -156,8 +156,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     ([2] * 64, (14, 2, 64)),  # 64 sequences
     (list(range(16, 513, 33)), (9, 3, 64)),  # lengths 16..511, SmolLM2 heads
 ])
-@pytest.mark.parametrize("grouped", [False, True])
-def test_packed_attention_bf16_full_size(lengths, heads, grouped):
+def test_packed_attention_bf16_full_size(lengths, heads):
     from kernels.attention_ref import packed_attention_ref
     from kernels.packed_attention import packed_attention
 
@@ -166,9 +165,9 @@ def test_packed_attention_bf16_full_size(lengths, heads, grouped):
     t = sum(lengths)
     q, k, v = (torch.randn(t, h, d, device="cuda") for h in (hq, hkv, hkv))
     cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
-    out = packed_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), cu, d**-0.5, max(lengths), grouped=grouped)
+    out = packed_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), cu, d**-0.5, max(lengths))
     err = rel_err(out, packed_attention_ref(q, k, v, cu, d**-0.5))
-    print(f"\npacked {len(lengths)} seqs, {t} tokens, heads {heads}, grouped {grouped}: rel err {err:.1e}")
+    print(f"\npacked {len(lengths)} seqs, {t} tokens, heads {heads}: rel err {err:.1e}")
     assert err <= 1e-2
 
 
