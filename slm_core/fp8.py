@@ -23,11 +23,11 @@ does not change. Where each input is quantised:
   SiLU·up kernel (silu_mul_static).
 """
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from typing import Callable
 
 from kernels.layer_ref import E4M3_MAX, quantize_rows_ref, quantize_static_ref, silu_mul_quant_ref, silu_mul_static_ref
 from slm_core.errors import SpecError
