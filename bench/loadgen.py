@@ -29,6 +29,7 @@ class Point:
     call_batch: float = float("nan")
     wait_ms: float = float("nan")  # async mode: in the worker's own queue (X-Slm-Wait-Ms)
     captured: int = 0  # answers in the window whose graph call captured a CUDA graph (X-Slm-Captured)
+    first_error: str = ""  # the window's first failed answer: status and the start of its body (who refused)
 
     def meets_slo(self, mean_ms: float = 20.0, p99_ms: float = 80.0) -> bool:
         return self.completed > 0 and self.errors == 0 and self.mean_ms < mean_ms and self.p99_ms < p99_ms
@@ -45,6 +46,7 @@ async def _run(url: str, bodies: list[bytes], concurrency: int, warmup: float, d
     done: list[int] = []
     split: list[tuple[float, ...]] = []  # X-Slm-* headers of the answers in the window
     errors = captured = 0
+    first_error = ""
     counter = 0
     start = time.perf_counter()
     window = (start + warmup, start + warmup + duration)
@@ -53,7 +55,7 @@ async def _run(url: str, bodies: list[bytes], concurrency: int, warmup: float, d
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout)) as session:
 
         async def client():
-            nonlocal errors, counter, captured
+            nonlocal errors, counter, captured, first_error
             while time.perf_counter() < window[1]:
                 i = counter % len(bodies)
                 counter += 1
@@ -61,12 +63,13 @@ async def _run(url: str, bodies: list[bytes], concurrency: int, warmup: float, d
                 times = [None] * 5
                 try:
                     async with session.post(url, data=bodies[i], headers={"Content-Type": "application/json"}) as r:
-                        await r.read()
+                        body = await r.read()
                         ok = r.status == 200
                         times = [r.headers.get(f"X-Slm-{h}")
                                  for h in ("Handler-Ms", "Graph-Ms", "Batch", "Wait-Ms", "Captured")]
-                except (aiohttp.ClientError, asyncio.TimeoutError):
-                    ok = False
+                        failure = "" if ok else f"{r.status} {body[:160].decode('utf-8', 'replace')}"
+                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                    ok, failure = False, type(e).__name__
                 end = time.perf_counter()
                 if window[0] <= end <= window[1]:  # completed in the window (sent during warm-up is fine)
                     if ok:
@@ -77,6 +80,7 @@ async def _run(url: str, bodies: list[bytes], concurrency: int, warmup: float, d
                         captured += times[4] == "1"
                     else:
                         errors += 1
+                        first_error = first_error or failure
 
         await asyncio.gather(*(client() for _ in range(concurrency)))
     n = len(latencies)
@@ -86,7 +90,7 @@ async def _run(url: str, bodies: list[bytes], concurrency: int, warmup: float, d
         p50_ms=percentile(latencies, 50) if n else float("nan"),
         p99_ms=percentile(latencies, 99) if n else float("nan"),
         completed=n, errors=errors, seconds=duration, request_indices=tuple(done),
-        window_start=window_start, captured=captured,
+        window_start=window_start, captured=captured, first_error=first_error,
         **({} if not split else dict(zip(("handler_ms", "graph_ms", "call_batch", "wait_ms"),
                                           map(statistics.fmean, zip(*split))))),
     )
