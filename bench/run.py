@@ -36,8 +36,8 @@ from slm_core.package import gate_passes
 from slm_core.spec import ModelSpec
 
 BENCH = Path(__file__).resolve().parent
-PRECISION_SUFFIX = {"fp8-mlp": "_fp8", "fp8-mlp-lmhead": "_fp8head", "fp8-static": "_fp8static"}  # archive names of the fp8 builds
-OPTION_PRECISION = {"fp8": "fp8-mlp", "fp8head": "fp8-mlp-lmhead", "fp8static": "fp8-static"}  # their --slm options
+OPTION_PRECISION = {"fp8": "fp8-mlp", "fp8head": "fp8-mlp-lmhead", "fp8static": "fp8-static"}  # --slm options
+PRECISION_SUFFIX = {p: f"_{o}" for o, p in OPTION_PRECISION.items()}  # archive names of the fp8 builds
 LEVELS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128]  # finer where the SLO usually binds
 
 

@@ -32,8 +32,8 @@ from torch import nn
 from kernels.layer_ref import E4M3_MAX, quantize_rows_ref, quantize_static_ref, silu_mul_quant_ref, silu_mul_static_ref
 from slm_core.errors import SpecError
 
-FP8_LINEARS = {"fp8-mlp": ("mlp",), "fp8-mlp-lmhead": ("mlp", "lm_head"), "fp8-static": ("qkv", "mlp")}
-STATIC = ("fp8-static",)  # the precisions whose input scales are calibrated at build
+FP8_LINEARS = {"fp8-mlp": ("mlp",), "fp8-mlp-lmhead": ("mlp", "lm_head")}  # per-row precisions: what they swap
+STATIC = ("fp8-static",)  # the precisions whose input scales are calibrated at build (static_linears)
 STATIC_HEADROOM = 2.0  # an input scale covers twice the largest |input| calibration saw
 # fp8-static's calibration inputs: queries, reviews, product titles, instructions, a little code and
 # numbers; none of them in slm_core.package's EVAL_TEXTS, on which the accuracy gate judges the build.
@@ -171,7 +171,7 @@ def calibrate(model: nn.Module, run: Callable[[], None]) -> dict[nn.Module, floa
 
 def quantize_linears(model: nn.Module, precision: str, triton: bool = False,
                      amax: dict[nn.Module, float] | None = None) -> None:
-    """Swap in the FP8 modules `precision` names (FP8_LINEARS), in place; bf16/fp32: none. With
+    """Swap in the FP8 modules `precision` names (FP8_LINEARS; STATIC: static_linears), in place; bf16/fp32: none. With
     `triton`, the MLP's SiLU·up + quantisation is the Triton kernel (CUDA), else the reference.
     fp8-static needs the inputs' calibrated `amax` (calibrate)."""
     parts = FP8_LINEARS.get(precision, ())

@@ -81,14 +81,6 @@ class PackedTokenizer:
             cu_out[i + 1] = total
         return len(texts), total
 
-    def pack_prompt(self, prompt: object, ids_out: np.ndarray) -> int:
-        """Tokenize one beam prompt into ids_out[:L]; returns L. ids_out: int32 [max_prompt_tokens]."""
-        (ids,) = self.encode_prompts([prompt])
-        if isinstance(ids, InputError):
-            raise ids
-        ids_out[: len(ids)] = ids
-        return len(ids)
-
     def encode_prompts(self, prompts: list[object]) -> list["list[int] | InputError"]:
         """Each beam prompt's ids with the template, or the InputError that refuses it. The valid
         ones go through the tokenizer together, in parallel (a W3 batch of 4: the handler's work

@@ -73,13 +73,11 @@ def test_bad_texts_raise_typed_errors_naming_the_bound(packer, texts, bound, mes
 def test_prompt_bound(smollm2):
     task = TaskSpec(task="beam", max_prompt_tokens=5)
     packer = PackedTokenizer(smollm2[1].tokenizer, task)
-    out = np.zeros(5, np.int32)
-    assert packer.pack_prompt("hello world", out) == 2
-    with pytest.raises(InputError, match="over max_prompt_tokens=5") as err:
-        packer.pack_prompt("one two three four five six", out)
-    assert err.value.bound == "max_prompt_tokens" and err.value.limit == 5
-    with pytest.raises(InputError, match="prompt must be a string"):
-        packer.pack_prompt(None, out)
+    fits, long, not_text = packer.encode_prompts(["hello world", "one two three four five six", None])
+    assert len(fits) == 2
+    assert isinstance(long, InputError) and "over max_prompt_tokens=5" in str(long)
+    assert long.bound == "max_prompt_tokens" and long.limit == 5
+    assert isinstance(not_text, InputError) and "prompt must be a string" in str(not_text)
 
 
 def test_a_batch_of_prompts_is_encoded_together_each_as_alone(smollm2):
