@@ -4,7 +4,10 @@ Inductor's max-autotune choice (its Triton templates against cuBLAS) and FP8 E4M
 `torch._scaled_mm`, with one scale per tensor and with per-row/per-column scales. FP8 times the GEMM alone:
 its activation quantisation would be fused into the kernel before it. Each figure is the GPU time
 of one call replayed from a CUDA graph (bench.kernels_bench.graph_ms), with its TFLOP/s and the
-weight bytes it reads per µs.
+weight bytes it reads per µs. The replays reuse one weight, which for the decode shapes (2-17 MB)
+stays in the H200's 50 MB L2: those figures are optimistic against a graph, whose every layer
+reads its own weights from HBM (the W2 profile's decode GEMMs: 25.8 µs a layer and step, against
+23.1 here).
 
     python -m bench.gemm_bench --out FILE.json
 """
