@@ -24,6 +24,9 @@
 # RELIABILITY=1 (the reliability step after the bench; SOAK=600 adds the soak; RELIABLE and STEPS: below),
 # $WORKLOADS (default W3,W2,W1), $BENCH_ARGS (more bench.run options for the pipeline's bench step,
 # e.g. --levels). On nvidia-h200-x2, SLM=...,triton:4:8:g2 spreads 4 workers over 2 GPUs.
+# MPS=1 (default): the pipeline runs NVIDIA's Multi-Process Service, so the workers' processes share
+# the GPU instead of time-slicing it (bench/mps.py); MPS=0 leaves it off. NOMPS_SLM=...: after the
+# bench step, these deployments again without MPS (the same run's comparison), into $OUT/nomps.
 set -u
 source .devbundle/setup.sh
 WORK=.bench-work
@@ -37,6 +40,15 @@ SLM=${SLM:-triton:2:4:score,triton:1:4:ctx2:score,triton:1:4:ctx2:fp8static:scor
 WORKLOADS=${WORKLOADS:-W3,W2,W1}
 PIPE=$WORK/out
 ARGS=(--device cuda --tokenizer bench/assets/tokenizer.json --work "$WORK" --commit "$COMMIT")
+
+mps() {  # NVIDIA MPS on (1) or off (0) for the CUDA processes started from now on
+    if [ "$1" = 1 ]; then
+        pgrep -x nvidia-cuda-mps-control > /dev/null || nvidia-cuda-mps-control -d
+    elif pgrep -x nvidia-cuda-mps-control > /dev/null; then
+        echo quit | nvidia-cuda-mps-control
+        while pgrep -x nvidia-cuda-mps-server > /dev/null || pgrep -x nvidia-cuda-mps-control > /dev/null; do sleep 0.5; done
+    fi
+}
 
 case "$1" in
 build)
@@ -108,11 +120,18 @@ import configured_copy; configured_copy(Path('$WORK/model-store/$base.mar'), Pat
 all)
     export OUT=$PIPE
     mkdir -p "$OUT"
+    mps "${MPS:-1}"
     bash "$0" build > "$OUT/build.log" 2>&1 &
     [ "${CHECK:-1}" = 1 ] && { bash "$0" check > "$OUT/check.log" 2>&1; bash "$0" kernels > "$OUT/kernels.log" 2>&1; } &
     wait
     [ "${CONTEXTS:-1}" = 1 ] && bash "$0" contexts > "$OUT/contexts.log" 2>&1
     [ "${BENCH:-1}" = 1 ] && bash "$0" bench ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
+    if [ -n "${NOMPS_SLM:-}" ]; then
+        mps 0
+        mkdir -p "$OUT/nomps"
+        OUT=$OUT/nomps SLM=$NOMPS_SLM SYSTEMS=slm bash "$0" bench ${BENCH_ARGS:-} > "$OUT/bench_nomps.log" 2>&1
+        mps "${MPS:-1}"
+    fi
     [ "${PROFILE:-1}" = 1 ] && bash "$0" profile > "$OUT/profile.log" 2>&1
     [ "${RELIABILITY:-0}" = 1 ] && bash "$0" reliability > "$OUT/reliability.log" 2>&1
     touch "$OUT/DONE" ;;
@@ -122,6 +141,7 @@ start)
     COMMIT=$COMMIT SLM=$SLM VARIANTS=$VARIANTS WORKLOADS=$WORKLOADS SYSTEMS=${SYSTEMS:-slm,hf} \
         BENCH_ARGS=${BENCH_ARGS:-} PROFILE=${PROFILE:-1} CHECK=${CHECK:-1} CONTEXTS=${CONTEXTS:-1} \
         RELIABILITY=${RELIABILITY:-0} BENCH=${BENCH:-1} SOAK=${SOAK:-} RELIABLE=${RELIABLE:-} STEPS=${STEPS:-} \
+        MPS=${MPS:-1} NOMPS_SLM=${NOMPS_SLM:-} \
         setsid nohup bash "$WORK/pipeline.sh" all > "$WORK/pipeline.log" 2>&1 < /dev/null &
     sleep 5
     bash "$0" follow ;;

@@ -183,7 +183,7 @@ def main() -> None:
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H%M%SZ")
     results = out / f"{stamp}_{'smoke' if args.smoke else 'bench'}.jsonl"
     meta = {"commit": args.commit, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-            "torch": torch.__version__, "date": stamp, "host_gpus": torch.cuda.device_count()}
+            "torch": torch.__version__, "date": stamp, "host_gpus": torch.cuda.device_count(), "mps": mps_running()}
 
     # One archive per model (W2 and W3 share one) and build variant; deployments choose workers.
     deployments, builds = [], {}
@@ -314,6 +314,16 @@ def main() -> None:
         server.stop()
         save_logs(server_dir, out, stamp)
     log(f"wrote {results}")
+
+
+def mps_running() -> bool:
+    """Whether NVIDIA's Multi-Process Service daemon runs on this host: then the workers (processes
+    started after it) share the GPU as clients of one server instead of time-slicing it."""
+    for comm in Path("/proc").glob("[0-9]*/comm"):
+        with contextlib.suppress(OSError):
+            if comm.read_text().strip() == "nvidia-cuda-mps-control":
+                return True
+    return False
 
 
 def answers(url: str, body: bytes, timeout: float = 30.0) -> bool:
