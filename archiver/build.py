@@ -92,7 +92,9 @@ def serving_defaults(device: str, task: TaskSpec, gpus: int = 1) -> tuple[int, i
     overload its refusals take 17-37 ms (they travel the async path) and its admitted P99 was
     86 ms, against 1.2 ms and 60 ms for two sync workers (run 015205Z); in run 234007Z it refused
     everything for 80 s, its worker apparently reloading (not recurred, not explained). So async
-    is `--contexts 2`, chosen knowingly."""
+    is `--contexts 2`, chosen knowingly. Under NVIDIA MPS (runs 2026-12-01T094554Z and 095503Z) two
+    sync workers served W2 356.0-379.0, W3 153.7-205.0 and W1 (fp8-static) 272.7-304.3 req/s at
+    the SLO, three 370.0, 206.3 and 314.7: inside the spread, so two stay."""
     if not device.startswith("cuda"):
         return 1, 0
     return 2 * gpus, 0

@@ -41,13 +41,15 @@ WORKLOADS=${WORKLOADS:-W3,W2,W1}
 PIPE=$WORK/out
 ARGS=(--device cuda --tokenizer bench/assets/tokenizer.json --work "$WORK" --commit "$COMMIT")
 
-mps() {  # NVIDIA MPS on (1) or off (0) for the CUDA processes started from now on
+mps() {  # NVIDIA MPS on (1) or off (0) for the CUDA processes started from now on. pgrep -x matches the
+    # process name, 15 characters: nvidia-cuda-mps is the control daemon and its server alike
     if [ "$1" = 1 ]; then
-        pgrep -x nvidia-cuda-mps-control > /dev/null || nvidia-cuda-mps-control -d
-    elif pgrep -x nvidia-cuda-mps-control > /dev/null; then
+        pgrep -x nvidia-cuda-mps > /dev/null || nvidia-cuda-mps-control -d
+    elif pgrep -x nvidia-cuda-mps > /dev/null; then
         echo quit | nvidia-cuda-mps-control
-        while pgrep -x nvidia-cuda-mps-server > /dev/null || pgrep -x nvidia-cuda-mps-control > /dev/null; do sleep 0.5; done
+        for _ in $(seq 60); do pgrep -x nvidia-cuda-mps > /dev/null || break; sleep 0.5; done
     fi
+    echo "NVIDIA MPS: $(pgrep -x nvidia-cuda-mps > /dev/null && echo on || echo off)"
 }
 
 case "$1" in

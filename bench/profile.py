@@ -50,7 +50,7 @@ def main() -> None:
     if workload.texts:
         pack = lambda: tok.pack_texts(body["texts"], engine.contexts[0].ids.numpy(), engine.contexts[0].cu.numpy())  # noqa: E731
     else:
-        pack = lambda: tok.pack_prompt(body["prompt"], engine.contexts[0].ids.numpy())  # noqa: E731
+        pack = lambda: tok.encode_prompts([body["prompt"]])  # noqa: E731  (the engine packs a call's ids)
     parts = {
         "json_parse_ms": timed(lambda: json.loads(raw), args.repeat),
         "tokenize_pack_ms": timed(pack, args.repeat),

@@ -32,7 +32,7 @@ from bench import flops
 from bench.loadgen import measure, sweep
 from bench.workloads import WORKLOADS, TextMaker, Workload
 from handlers.local_server import TorchServe, http
-from slm_core.package import gate_passes
+from slm_core.package import gate_passes, mps_running
 from slm_core.spec import ModelSpec
 
 BENCH = Path(__file__).resolve().parent
@@ -314,16 +314,6 @@ def main() -> None:
         server.stop()
         save_logs(server_dir, out, stamp)
     log(f"wrote {results}")
-
-
-def mps_running() -> bool:
-    """Whether NVIDIA's Multi-Process Service daemon runs on this host: then the workers (processes
-    started after it) share the GPU as clients of one server instead of time-slicing it."""
-    for comm in Path("/proc").glob("[0-9]*/comm"):
-        with contextlib.suppress(OSError):
-            if comm.read_text().strip() == "nvidia-cuda-mps-control":
-                return True
-    return False
 
 
 def answers(url: str, body: bytes, timeout: float = 30.0) -> bool:

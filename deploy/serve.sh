@@ -12,6 +12,7 @@
 #   ARCHIVER_ARGS []                  extra `python -m archiver build` flags, e.g. "--deadline-ms 50"
 #   TS_CONFIG [config.properties beside this script]   PYTHON [python3]
 #   BUILD_ONLY [0]                    1: build, then exit 0 instead of serving
+#   MPS [1]                           on CUDA, start NVIDIA's MPS daemon before TorchServe (0: don't)
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -23,6 +24,7 @@ ARCHIVER_ARGS=${ARCHIVER_ARGS:-}
 TS_CONFIG=${TS_CONFIG:-$here/config.properties}
 PYTHON=${PYTHON:-python3}
 BUILD_ONLY=${BUILD_ONLY:-0}
+MPS=${MPS:-1}
 
 refuse() {
   echo "serve.sh: $*" >&2
@@ -77,5 +79,16 @@ done
 
 if [[ $BUILD_ONLY == 1 ]]; then
   exit 0
+fi
+# The workers sharing this GPU run their kernels side by side under NVIDIA's Multi-Process Service;
+# without it the GPU time-slices between them (README.md, Serving on a GPU). The daemon must run
+# before the first worker starts. Where the NVIDIA runtime mounts no nvidia-cuda-mps-control, or
+# one runs already, the workers' log says whether they got it ("NVIDIA MPS: on").
+if [[ $DEVICE == cuda* && $MPS == 1 ]]; then
+  if command -v nvidia-cuda-mps-control >/dev/null; then
+    nvidia-cuda-mps-control -d || echo "serve.sh: nvidia-cuda-mps-control -d failed (one runs already?)"
+  else
+    echo "serve.sh: no nvidia-cuda-mps-control here: the workers will time-slice the GPU"
+  fi
 fi
 exec torchserve --start --foreground --ncs --ts-config "$TS_CONFIG" --model-store "$MODEL_STORE" --models all

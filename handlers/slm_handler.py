@@ -23,7 +23,7 @@ import torch
 from ts.protocol.otf_message_handler import create_predict_response
 
 from slm_core.errors import SpecError
-from slm_core.package import capture_all, load_package
+from slm_core.package import capture_all, load_package, mps_running
 from slm_core.protocol import error, respond_batch
 from slm_core.scheduler import Scheduler, Served
 
@@ -68,8 +68,14 @@ class SlmHandler:
         self.engine = load_package(props["model_dir"], props.get("gpu_id"), settings.get("cuda_graphs", True),
                                    contexts)
         replays = self.engine.contexts[0].replay is not None
-        log.info("loaded %s task on %s (CUDA graphs: %s, %s mode, %d request context(s))", self.engine.task.task,
-                 self.engine.device, replays, "async" if asynchronous else "sync", contexts)
+        mps = self.engine.device.type == "cuda" and mps_running()
+        log.info("loaded %s task on %s (CUDA graphs: %s, %s mode, %d request context(s), NVIDIA MPS: %s)",
+                 self.engine.task.task, self.engine.device, replays, "async" if asynchronous else "sync", contexts,
+                 "on" if mps else "off")
+        if self.engine.device.type == "cuda" and not mps and int(config.get("minWorkers", 1)) > 1:
+            log.warning("%s workers without NVIDIA MPS: workers sharing a GPU time-slice it instead of running "
+                        "side by side. Start `nvidia-cuda-mps-control -d` before TorchServe (deploy/serve.sh "
+                        "does; README.md, Serving on a GPU)", config.get("minWorkers"))
         if replays and settings.get("capture_at_load", False):  # archiver --cuda-graphs on
             start = time.perf_counter()
             captured = capture_all(self.engine)

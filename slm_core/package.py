@@ -343,6 +343,22 @@ def worker_device(gpu_id: int | None) -> torch.device:
     return device
 
 
+def mps_running(proc: Path = Path("/proc")) -> bool:
+    """Whether NVIDIA's Multi-Process Service control daemon (`nvidia-cuda-mps-control -d`) runs
+    where this process can see it. CUDA processes started after it share the GPU through one server
+    and run their kernels side by side; without it a GPU time-slices between processes, so a second
+    sync worker adds no GPU throughput (bench/RESULTS.md, run 2026-12-01T0937Z: two processes of
+    beam decode steps did 0.98x one process's work without MPS, 1.23-1.32x under it)."""
+    for cmdline in proc.glob("[0-9]*/cmdline"):
+        try:
+            program = cmdline.read_bytes().split(b"\0", 1)[0]
+        except OSError:  # gone, or not ours to read
+            continue
+        if program.rsplit(b"/", 1)[-1] == b"nvidia-cuda-mps-control":
+            return True
+    return False
+
+
 def _cuda_engine(path: str, tokenizer: PackedTokenizer, task: TaskSpec, runtime: RuntimeSpec, device: torch.device,
                  cuda_graphs: bool, contexts: int = 1) -> Engine:
     """A CUDA package's Engine with `contexts` request contexts; with cuda_graphs, its calls replay

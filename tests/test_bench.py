@@ -303,3 +303,26 @@ def test_reliability_judges_answers_under_load_against_the_answer_alone():
     swapped = {"candidates": beams["candidates"][::-1]}  # the same candidates in another order
     assert not within(beams, swapped, Tolerance()) and within(beams, swapped, Tolerance.of_precision("bf16"))
     assert not within(beams, {"candidates": [{"token_ids": [5], "score": -1.0}] * 2}, Tolerance.of_precision("bf16"))
+
+
+@pytest.mark.parametrize("archive,workload", [("tiny_score", "W1"), ("tiny_beam", "W2")])
+def test_profile_splits_a_request_of_each_task(archives, smollm2, tmp_path, monkeypatch, archive, workload):
+    """bench.profile on the tests' CPU archives, with the workload's requests (SmolLM2's words) shrunk
+    to their bounds: every part is timed and the profiler's table is written (the H200's profile step
+    runs it)."""
+    import dataclasses
+
+    from bench import profile
+
+    shrunk = dataclasses.replace(WORKLOADS[workload], lengths=(4, 8), texts=3 if WORKLOADS[workload].texts else 0)
+    smollm2[1].tokenizer.save(str(tmp_path / "tokenizer.json"))
+    monkeypatch.setitem(profile.WORKLOADS, workload, shrunk)
+    out = tmp_path / "profile.txt"
+    monkeypatch.setattr(sys, "argv", ["profile", "--package", str(archives[archive]), "--workload", workload,
+                                      "--tokenizer", str(tmp_path / "tokenizer.json"), "--out", str(out),
+                                      "--repeat", "2"])
+    profile.main()
+    head, table = out.read_text().split("\n\n", 1)
+    parts = json.loads(head.split("\n", 1)[1])
+    assert parts["tokenize_pack_ms"] > 0 and parts["end_to_end_in_process_ms (the whole batch)"] > parts["json_parse_ms"]
+    assert parts["graph_ms (copy-in + graph + copy-out)"] > 0 and "Self CPU" in table

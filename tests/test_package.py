@@ -321,3 +321,27 @@ def test_handler_refuses_async_settings_that_cannot_work(tmp_path, config, messa
     ctx.model_yaml_config = config
     with pytest.raises(SpecError, match=message):
         SlmHandler().initialize(ctx)
+
+
+def test_mps_running_finds_the_control_daemon_by_its_program(tmp_path):
+    """slm_core.package.mps_running reads each process's program from /proc/PID/cmdline (its name
+    in /proc/PID/comm stops at 15 characters, nvidia-cuda-mps, the server's too)."""
+    import subprocess
+
+    from slm_core.package import mps_running
+
+    fake = tmp_path / "proc"
+    (fake / "1").mkdir(parents=True)
+    (fake / "1" / "cmdline").write_bytes(b"/usr/bin/python3\0-m\0nvidia-cuda-mps-control\0")
+    (fake / "self").mkdir()
+    assert not mps_running(fake)  # named as an argument only
+    (fake / "77").mkdir()
+    (fake / "77" / "cmdline").write_bytes(b"/usr/local/nvidia/bin/nvidia-cuda-mps-control\0-d\0")
+    assert mps_running(fake)
+    already = mps_running()  # the real /proc: a process that calls itself the daemon is found
+    with subprocess.Popen(["nvidia-cuda-mps-control", "30"], executable="/bin/sleep") as daemon:
+        try:
+            assert mps_running()
+        finally:
+            daemon.kill()
+    assert mps_running() == already
