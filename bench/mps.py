@@ -4,8 +4,9 @@ Two TorchServe workers are two processes, two CUDA contexts. Without NVIDIA's Mu
 (MPS) the GPU time-slices between contexts, so two workers' kernels never run side by side; under
 MPS they share the GPU like two streams of one process. Each process here replays one CUDA graph of
 a beam decode step's layers (W2/W3's model: hidden 896, MLP 4864, 24 layers, ROWS rows, weights of
-its own, read from HBM) back to back for --seconds, started together; the figure is layer-steps per
-second of all processes against one process alone.
+its own, read from HBM) back to back for --seconds, started together; the figure is decode steps
+per second of all processes together (and the GPU time a layer-step takes at that rate), against
+one process alone.
 
     python -m bench.mps --procs 1,2 --out FILE.json        # run it once without, once under MPS
 """

@@ -41,6 +41,12 @@ def _send_responses_one_at_a_time(service) -> None:
 PHRASES = {200: "OK", 400: "Bad Request", 500: "Internal Server Error", 503: "Service Unavailable"}
 
 
+def workers_share_a_gpu(config: dict, host_gpus: int) -> bool:
+    """Whether a model's workers (model-config.yaml's minWorkers) outnumber the GPUs TorchServe
+    deals them to in turn: the archive's deviceIds, else all the host's."""
+    return int(config.get("minWorkers", 1)) > max(1, len(config.get("deviceIds") or ()) or host_gpus)
+
+
 class SlmHandler:
     def __init__(self):
         self.engine = None
@@ -68,14 +74,16 @@ class SlmHandler:
         self.engine = load_package(props["model_dir"], props.get("gpu_id"), settings.get("cuda_graphs", True),
                                    contexts)
         replays = self.engine.contexts[0].replay is not None
-        mps = self.engine.device.type == "cuda" and mps_running()
+        cuda = self.engine.device.type == "cuda"
+        mps = cuda and mps_running()
         log.info("loaded %s task on %s (CUDA graphs: %s, %s mode, %d request context(s), NVIDIA MPS: %s)",
                  self.engine.task.task, self.engine.device, replays, "async" if asynchronous else "sync", contexts,
                  "on" if mps else "off")
-        if self.engine.device.type == "cuda" and not mps and int(config.get("minWorkers", 1)) > 1:
-            log.warning("%s workers without NVIDIA MPS: workers sharing a GPU time-slice it instead of running "
-                        "side by side. Start `nvidia-cuda-mps-control -d` before TorchServe (deploy/serve.sh "
-                        "does; README.md, Serving on a GPU)", config.get("minWorkers"))
+        if cuda and not mps and workers_share_a_gpu(config, torch.cuda.device_count()):
+            log.warning("%s workers on %s without NVIDIA MPS: workers sharing a GPU time-slice it instead of "
+                        "running side by side. Start `nvidia-cuda-mps-control -d` before TorchServe "
+                        "(deploy/serve.sh does; README.md, Serving on a GPU)", config.get("minWorkers"),
+                        self.engine.device)
         if replays and settings.get("capture_at_load", False):  # archiver --cuda-graphs on
             start = time.perf_counter()
             captured = capture_all(self.engine)

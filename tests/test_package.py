@@ -345,3 +345,16 @@ def test_mps_running_finds_the_control_daemon_by_its_program(tmp_path):
         finally:
             daemon.kill()
     assert mps_running() == already
+
+
+def test_workers_share_a_gpu_counts_the_gpus_they_are_dealt_to():
+    """The handler's MPS warning is for workers that share a GPU: more of them than GPUs, the
+    archive's deviceIds when it names some, else the host's."""
+    from handlers.slm_handler import workers_share_a_gpu
+
+    assert workers_share_a_gpu({"minWorkers": 2}, host_gpus=1)
+    assert not workers_share_a_gpu({"minWorkers": 2}, host_gpus=2)
+    assert not workers_share_a_gpu({"minWorkers": 2, "deviceIds": [0, 1]}, host_gpus=8)
+    assert workers_share_a_gpu({"minWorkers": 4, "deviceIds": [0, 1]}, host_gpus=8)
+    assert workers_share_a_gpu({"minWorkers": 3, "deviceIds": [0, 1]}, host_gpus=2)
+    assert not workers_share_a_gpu({}, host_gpus=0)
