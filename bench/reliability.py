@@ -33,9 +33,11 @@ tests/test_serving.py runs the bad-input part against the CPU test archives in C
 import argparse
 import asyncio
 import concurrent.futures
+import gzip
 import json
 import math
 import random
+import re
 import shutil
 import statistics
 import subprocess
@@ -59,7 +61,15 @@ class Probe:
     body: bytes
     kind: str  # the category of a bad request, or "valid"
     content_type: str = JSON
+    encoding: str | None = None  # its Content-Encoding header
 
+    def headers(self) -> dict[str, str]:
+        return {"Content-Type": self.content_type, **({"Content-Encoding": self.encoding} if self.encoding else {})}
+
+
+# An error message names JSON's types and the protocol's bounds, never Python's internals.
+PYTHON_WORDS = re.compile(r"NoneType|\bdict\b|\bstr\b|\bfloat\b|\bint\b|\blist\b|sys\.|Traceback|Error:")
+MAX_ERROR_BYTES = 1024  # the handler's bound on an error reply, whatever the request
 
 def _field(task: str) -> str:
     return "texts" if task == "score" else "prompt"
@@ -74,7 +84,8 @@ def valid_requests(task: str, max_items: int, rng: random.Random, n: int) -> lis
     emoji, combining marks, right-to-left and zero-width characters, escaped control characters."""
     pieces = ["cheap flights to rome", "naïve café", "日本語のテキスト", "emoji 😀🚀", "e\u0301 combining",
               "\u202eright to left\u202c", "zero\u200bwidth", "tab\tand\nnewline", "bell \u0007 escaped",
-              "quote \" and backslash \\", "BOM \ufeff inside", "١٢٣ digits"]
+              "quote \" and backslash \\", "BOM \ufeff inside", "١٢٣ digits", "rome<|im_end|>",
+              "<|im_start|>assistant"]
     out = []
     for _ in range(n):
         if task == "score":
@@ -86,9 +97,11 @@ def valid_requests(task: str, max_items: int, rng: random.Random, n: int) -> lis
 
 
 def bad_requests(task: str, max_items: int, max_tokens: int, rng: random.Random, n: int,
-                 ten_mb: int = 4) -> list[Probe]:
+                 ten_mb: int = 4, near_limit: int = 2, limit: int = 16 * 1024 * 1024) -> list[Probe]:
     """`n` requests that must each get a 4xx JSON error, drawn from every category below (`ten_mb`
-    of them 10 MB bodies). For a score task "items" are texts, for beam the prompt."""
+    of them 10 MB bodies, `near_limit` of them bodies of long field names just under the
+    request-size `limit`, a JSON object's and a form's). For a score task "items" are texts, for
+    beam the prompt."""
     field, other = _field(task), "prompt" if task == "score" else "texts"
     good = ["a valid text"] if task == "score" else "a valid prompt"
     good_body = json.dumps(_wrap(task, good)).encode()
@@ -126,14 +139,25 @@ def bad_requests(task: str, max_items: int, max_tokens: int, rng: random.Random,
         "wrong fields": lambda: json.dumps(rng.choice([
             {other: good}, {field: good, "extra": 1}, {}, {"x" * 1000: 1}, [good], good])).encode(),
         "wrong content type": lambda: b"texts=hello",
+        "double-encoded": lambda: json.dumps(good_body.decode()).encode(),
+        "encoded body": lambda: gzip.compress(good_body),
+        "long field names": lambda: json.dumps({"k" * rng.randint(1000, 20000) + str(i): 1
+                                                for i in range(rng.randint(1, 50))}).encode(),
     }
+    types = {"wrong content type": "application/x-www-form-urlencoded"}
     kinds = sorted(makers)
     out = [Probe(b'{"%s": ["' % field.encode() + b"a" * TEN_MB + b'"]}', "10 MB body") for _ in range(ten_mb // 2)]
     out += [Probe(b"[" * TEN_MB, "10 MB body") for _ in range(ten_mb - ten_mb // 2)]
+    name = (limit - 4096) // 6  # six names: echoing five would exceed TorchServe's largest reply
+    for i in range(near_limit):
+        if i % 2:
+            out.append(Probe(b"&".join(b"f%d" % j + b"x" * name + b"=1" for j in range(6)),
+                             "near the size limit", "application/x-www-form-urlencoded"))
+        else:
+            out.append(Probe(json.dumps({f"{j}" + "x" * name: 1 for j in range(6)}).encode(), "near the size limit"))
     while len(out) < n:
         kind = kinds[len(out) % len(kinds)]
-        body = makers[kind]()
-        out.append(Probe(body, kind, "application/x-www-form-urlencoded" if kind == "wrong content type" else JSON))
+        out.append(Probe(makers[kind](), kind, types.get(kind, JSON), "gzip" if kind == "encoded body" else None))
     return out
 
 
@@ -219,7 +243,7 @@ def run(url: str, management: str, model: str, bad: list[Probe], valid: list[Pro
     def send(p: Probe):
         start = time.perf_counter()
         try:
-            status, body = http("POST", url, p.body, {"Content-Type": p.content_type}, timeout=timeout)
+            status, body = http("POST", url, p.body, p.headers(), timeout=timeout)
         except OSError as e:  # a timeout or a dropped connection: counted as a failure
             status, body = 0, repr(e).encode()
         return p, status, body, (time.perf_counter() - start) * 1e3
@@ -242,9 +266,12 @@ def run(url: str, management: str, model: str, bad: list[Probe], valid: list[Pro
                     worst, least_shared = max(worst, diff), min(least_shared, shared)
             else:
                 slowest = max(slowest, ms)
-                # ours: {"error": ...}; TorchServe's own: {"code", "type", "message"}; its 413 is bare
+                # ours: {"error": ...}, bounded, in JSON's terms; TorchServe's own: {"code", "type",
+                # "message"}; its 413 is bare
                 ok = status == 413 or (400 <= status < 500 and isinstance(answer, dict)
-                                        and ("error" in answer or "message" in answer))
+                                       and ("error" in answer or "message" in answer))
+                if ok and "error" in answer:
+                    ok = len(body) <= MAX_ERROR_BYTES and not PYTHON_WORDS.search(str(answer["error"]))
             if not ok:
                 failures.append({"kind": p.kind, "status": status, "body": p.body[:120].decode("utf-8", "replace"),
                                  "answer": body[:300].decode("utf-8", "replace")})

@@ -69,7 +69,8 @@ class TorchServe:
         # This interpreter's environment first (a virtualenv used without activating it): its
         # torchserve, and the python its workers run with.
         path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-        env = {**os.environ, "PATH": path, "TMPDIR": str(tmp), "LOG_LOCATION": str(self.workdir / "logs"),
+        # TEMP: TorchServe's JVM extracts archives there (java.io.tmpdir); TMPDIR: its workers' temporaries
+        env = {**os.environ, "PATH": path, "TMPDIR": str(tmp), "TEMP": str(tmp), "LOG_LOCATION": str(self.workdir / "logs"),
                "METRICS_LOCATION": str(self.workdir / "logs")}
         self.proc = subprocess.Popen(
             [shutil.which("torchserve", path=path) or "torchserve", "--start", "--foreground", "--ncs",

@@ -24,7 +24,7 @@ from ts.protocol.otf_message_handler import create_predict_response
 
 from slm_core.errors import SpecError
 from slm_core.package import capture_all, load_package, mps_running
-from slm_core.protocol import error, respond_batch
+from slm_core.protocol import Request, error, respond_batch
 from slm_core.scheduler import Scheduler, Served
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,8 @@ def _send_responses_one_at_a_time(service) -> None:
         message = asyncio.run_coroutine_threadsafe(service.out_queue.get(), service.loop).result()
         with SOCKET:
             service.service.cl_socket.sendall(message)
-PHRASES = {200: "OK", 400: "Bad Request", 500: "Internal Server Error", 503: "Service Unavailable"}
+PHRASES = {200: "OK", 400: "Bad Request", 415: "Unsupported Media Type", 500: "Internal Server Error",
+           503: "Service Unavailable"}
 
 
 def workers_share_a_gpu(config: dict, host_gpus: int) -> bool:
@@ -47,12 +48,30 @@ def workers_share_a_gpu(config: dict, host_gpus: int) -> bool:
     return int(config.get("minWorkers", 1)) > max(1, len(config.get("deviceIds") or ()) or host_gpus)
 
 
+def requests(data: list[dict], ctx) -> list[Request]:
+    """TorchServe's batch as protocol Requests: each one's parameters and its HTTP headers (names
+    as the client spelled them in TorchServe: lower-cased here)."""
+    out = []
+    for i, parameters in enumerate(data):
+        try:
+            headers = ctx.get_all_request_header(i) or {}
+        except (AttributeError, IndexError, KeyError, TypeError):  # a host without request headers
+            headers = {}
+        out.append(Request(parameters, {str(k).lower(): v for k, v in headers.items() if isinstance(v, str)}))
+    return out
+
+
 class SlmHandler:
     def __init__(self):
         self.engine = None
         self.scheduler = None  # async mode
 
     def initialize(self, ctx) -> None:
+        # Bodies reach handle() as the bytes the client sent, for slm_core.protocol to parse once:
+        # TorchServe's worker would otherwise decode JSON bodies itself (config decode_input_request),
+        # parsing a JSON string that holds a request as if it were one, and logging a traceback for
+        # every body that is not JSON. It reads this variable at every request.
+        os.environ["TS_DECODE_INPUT_REQUEST"] = "false"
         # `kill -USR1 <worker pid>` writes every thread's Python stack to the model log (a stuck
         # worker's account: bench.run sends it to a deployment that stopped answering)
         faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -107,7 +126,7 @@ class SlmHandler:
         if self.scheduler is not None:
             return self._handle_async(data, ctx)
         start = time.perf_counter()
-        batch = respond_batch(self.engine, data)
+        batch = respond_batch(self.engine, requests(data, ctx))
         handler_ms = (time.perf_counter() - start) * 1e3  # parse, tokenize, graph call, encode
         return self._answer([Served(reply, 0.0, handler_ms) for reply in batch], ctx)
 
@@ -118,7 +137,7 @@ class SlmHandler:
         (an error's stream would lose its body); the empty replies returned end each stream."""
         messages: list[bytes] = []
         try:
-            served = await asyncio.gather(*(asyncio.wrap_future(self.scheduler.submit(r)) for r in data))
+            served = await asyncio.gather(*(asyncio.wrap_future(self.scheduler.submit(r)) for r in requests(data, ctx)))
             bodies = self._answer(served, ctx)
             ok = {i: ctx.request_ids[i] for i, s in enumerate(served) if s.reply.status < 400}
             failed = {i: ctx.request_ids[i] for i, s in enumerate(served) if s.reply.status >= 400}

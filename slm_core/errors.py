@@ -12,3 +12,12 @@ class InputError(ValueError):
         super().__init__(message)
         self.bound = bound
         self.limit = limit
+
+
+JSON_TYPES = {dict: "an object", list: "an array", tuple: "an array", str: "a string", int: "a number",
+              float: "a number", bool: "a boolean", type(None): "null"}
+
+
+def json_type(value: object) -> str:
+    """The JSON name of a decoded request value's type, for error messages."""
+    return JSON_TYPES.get(type(value), "a value")

@@ -4,11 +4,16 @@ A package directory holds `graph.pt2` (the AOTInductor package, weights inside),
 and `manifest.json`, which is all the serving side reads: nothing is inferred from file names.
 """
 
+import atexit
+import contextlib
 import dataclasses
 import datetime
 import itertools
 import json
+import os
 import platform
+import shutil
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -107,7 +112,7 @@ def build_package(
         f"AOTInductor compile for {dev.type} (on 2 CPU cores: ~1 min for a 30-layer score graph, ~4 for a beam graph)",
         lambda: compile_package(program, str(out_dir / GRAPH)),
     )
-    compiled = Engine(torch._inductor.aoti_load_package(package), tokenizer, task, runtime)
+    compiled = Engine(load_graph(package), tokenizer, task, runtime)
     eager = Engine(graph, tokenizer, task, runtime)
     check = step("checking the compiled graph against eager", lambda: check_compiled(eager, compiled))
     if dev.type == "cuda":  # the way it serves: replayed from CUDA graphs (padded to size buckets)
@@ -326,7 +331,69 @@ def load_package(model_dir: str | Path, gpu_id: int | None = None, cuda_graphs: 
     if device.type == "cuda":
         return _cuda_engine(path, tokenizer, task, runtime, device, cuda_graphs, contexts)
     # a CPU package's runner has its own lock: contexts take turns on it
-    return Engine(torch._inductor.aoti_load_package(path), tokenizer, task, runtime, [None] * contexts)
+    return Engine(load_graph(path), tokenizer, task, runtime, [None] * contexts)
+
+
+SCRATCH = "slm-aoti"  # under TMPDIR: one directory per process that loads packages
+
+
+def load_graph(path: str, **kwargs):
+    """torch._inductor.aoti_load_package(path, **kwargs), extracting the package (its .so holds
+    the weights: hundreds of MB) into this process's own directory under TMPDIR/slm-aoti. The
+    loader removes its extraction only when destroyed, which a worker that is killed or exits
+    never does: so the directory goes at this process's exit, and the directories of processes
+    that are gone are removed here first."""
+    scratch = _scratch()
+    with _env("TMPDIR", str(scratch)):  # where AOTInductor's C++ loader extracts to
+        return torch._inductor.aoti_load_package(path, **kwargs)
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+def _scratch() -> Path:
+    root = Path(tempfile.gettempdir()) / SCRATCH  # gettempdir() caches the real TMPDIR before _env changes it
+    root.mkdir(exist_ok=True)
+    mine = root / _process_key(os.getpid())
+    for stale in root.iterdir():
+        if stale != mine and not _alive(stale.name):
+            shutil.rmtree(stale, ignore_errors=True)
+    if not mine.exists():
+        mine.mkdir()
+        atexit.register(shutil.rmtree, mine, ignore_errors=True)
+    return mine
+
+
+def _process_key(pid: int) -> str:
+    """pid-starttime: a pid the system reuses for a later process names another directory."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return str(pid)
+    return f"{pid}-{stat.rsplit(')', 1)[1].split()[19]}"  # field 22, after the command's parentheses
+
+
+def _alive(key: str) -> bool:
+    pid = key.split("-", 1)[0]
+    if not pid.isdigit():
+        return True  # not ours to judge
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return _process_key(int(pid)) == key or "-" not in key
 
 
 def worker_device(gpu_id: int | None) -> torch.device:
@@ -366,7 +433,7 @@ def _cuda_engine(path: str, tokenizer: PackedTokenizer, task: TaskSpec, runtime:
     single-threaded (FACTS.md): its one runner then takes one call at a time (OneAtATime). Replays
     do not go through the runner, so contexts replay at once."""
     index = torch.cuda.current_device() if device.index is None else device.index  # AOTI takes no None
-    graph = torch._inductor.aoti_load_package(path, run_single_threaded=cuda_graphs, device_index=index)
+    graph = load_graph(path, run_single_threaded=cuda_graphs, device_index=index)
     if not cuda_graphs:
         return Engine(graph, tokenizer, task, runtime, [None] * contexts)
     graph = OneAtATime(graph)

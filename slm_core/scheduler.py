@@ -20,7 +20,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from slm_core.engine import Engine
-from slm_core.protocol import Reply, error, respond_batch
+from slm_core.protocol import Reply, Request, error, respond_batch
 
 log = logging.getLogger(__name__)
 
@@ -39,15 +39,15 @@ class Scheduler:
     def __init__(self, engine: Engine, max_waiting: int):
         self.engine = engine
         self.max_waiting = max_waiting
-        self._queue: collections.deque[tuple[dict, Future, float]] = collections.deque()
+        self._queue: collections.deque[tuple[Request, Future, float]] = collections.deque()
         self._ready = threading.Condition()
         self._threads = [threading.Thread(target=self._serve, name=f"slm-context-{i}", daemon=True)
                          for i in range(len(engine.contexts))]
         for thread in self._threads:
             thread.start()
 
-    def submit(self, request: dict) -> "Future[Served]":
-        """Queue one TorchServe request dict; the future's result is its Served (never an exception)."""
+    def submit(self, request: Request) -> "Future[Served]":
+        """Queue one request; the future's result is its Served (never an exception)."""
         future: Future[Served] = Future()
         with self._ready:
             if len(self._queue) >= self.max_waiting:

@@ -147,6 +147,9 @@ class TaskSpec:
     # (softmax over the row) or "logits" (the row itself).
     head: str = "labels"
     output: str = "probs"
+    # Special tokens spelled in a request's text are tokenized as plain text unless this is true
+    # (slm_core.tokenizer): only the template's own are matched.
+    allow_special_tokens: bool = False
 
     def __post_init__(self):
         if self.task not in ("score", "beam"):
@@ -163,6 +166,8 @@ class TaskSpec:
             items = getattr(self, name)
             if not all(isinstance(s, str) and s for s in items):
                 raise SpecError(f"task key {name!r} must be a list of non-empty strings, got {list(items)!r}")
+        if type(self.allow_special_tokens) is not bool:
+            raise SpecError(f"task key 'allow_special_tokens' must be true or false, got {self.allow_special_tokens!r}")
         if self.head not in ("labels", "classifier"):
             raise SpecError(f"task key 'head' must be 'labels' or 'classifier', got {self.head!r}")
         if self.output not in ("probs", "logits"):

@@ -2,12 +2,18 @@
 
 The caller owns the buffers (preallocated to the task bounds, pinned on GPU hosts); this module only
 writes into them. Every bound is checked before anything is written; nothing is truncated.
+
+Special tokens (`<|im_end|>`, ...) are matched in the template only: a user's text that spells one
+is tokenized as the characters it is, so it can neither end the prompt nor open a turn of its own
+(the task key allow_special_tokens matches them in the text too).
 """
+
+import re
 
 import numpy as np
 import tokenizers
 
-from slm_core.errors import InputError, SpecError
+from slm_core.errors import InputError, SpecError, json_type
 from slm_core.spec import TaskSpec
 
 
@@ -20,6 +26,13 @@ class PackedTokenizer:
         # No token decodes to more characters than its vocabulary spelling has, so a text longer
         # than bound × longest spelling cannot fit: refuse it before spending time tokenizing it.
         self._longest_token = max(len(t) for t in tokenizer.get_vocab(with_added_tokens=True))
+        specials = sorted({t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}, key=len)
+        self._escape = bool(specials) and not task.allow_special_tokens
+        if self._escape:
+            self._special = re.compile("|".join(re.escape(t) for t in reversed(specials)))
+            self._literal = tokenizers.Tokenizer.from_str(tokenizer.to_str())  # special tokens as plain text
+            self._literal.encode_special_tokens = True
+            self._segments = self._template_segments()
 
     # --- build-time lookups -------------------------------------------------------------------
     def label_ids(self) -> list[int]:
@@ -49,6 +62,46 @@ class PackedTokenizer:
     def apply_template(self, text: str) -> str:
         return self.task.template.replace(self.task.placeholder, text)  # every occurrence
 
+    def _template_segments(self) -> list[tuple[str, bool]]:
+        """The template cut at its own special tokens, as the tokenizer matches them: (piece,
+        whether it holds the placeholder). A piece with the placeholder is where user text goes;
+        the tokenizer never matches a special token across a piece boundary."""
+        template, placeholder = self.task.template, self.task.placeholder
+        enc = self.tokenizer.encode(template, add_special_tokens=False)
+        special_ids = {i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special}
+        segments, at = [], 0
+        for token, (start, end) in zip(enc.ids, enc.offsets):
+            if token in special_ids:
+                segments += [(template[at:start], placeholder in template[at:start]), (template[start:end], False)]
+                at = end
+        segments.append((template[at:], placeholder in template[at:]))
+        return [(piece, user) for piece, user in segments if piece]
+
+    def _injected(self, text: str) -> bool:
+        """Whether a special token would be matched in a piece that holds user text."""
+        placeholder = self.task.placeholder
+        return any(user and self._special.search(piece.replace(placeholder, text))
+                   for piece, user in self._segments)
+
+    def _encode_literal(self, text: str) -> list[int]:
+        """The ids of the templated text with special tokens matched in the template's pieces only."""
+        placeholder = self.task.placeholder
+        parts = [(self._literal if user else self.tokenizer).encode(piece.replace(placeholder, text),
+                                                                    add_special_tokens=False)
+                 for piece, user in self._segments]
+        return self.tokenizer.post_process(tokenizers.Encoding.merge(parts, growing_offsets=True)).ids
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        """Each text's token ids with the template, in one parallel pass; a text that spells a
+        special token is tokenized again, literally (allow_special_tokens: as it is)."""
+        encodings = self.tokenizer.encode_batch_fast([self.apply_template(s) for s in texts])
+        ids = [enc.ids for enc in encodings]
+        if self._escape:
+            for i, text in enumerate(texts):
+                if self._injected(text):
+                    ids[i] = self._encode_literal(text)
+        return ids
+
     def pack_texts(self, texts: object, ids_out: np.ndarray, cu_out: np.ndarray) -> tuple[int, int]:
         """Tokenize `texts` into ids_out[:T] and cu_out[:N+1]; returns (N, T).
 
@@ -56,7 +109,7 @@ class PackedTokenizer:
         """
         t = self.task
         if not isinstance(texts, (list, tuple)):
-            raise InputError(f"'texts' must be a list of strings, got {type(texts).__name__}")
+            raise InputError(f"'texts' must be an array of strings, got {json_type(texts)}")
         if not texts:
             raise InputError(f"'texts' is empty; send 1 to {t.max_texts} texts (max_texts)", bound="max_texts",
                              limit=t.max_texts)
@@ -66,7 +119,7 @@ class PackedTokenizer:
             )
         for i, text in enumerate(texts):
             self._check_text(text, f"texts[{i}]", "max_text_tokens", t.max_text_tokens)
-        encodings = self.tokenizer.encode_batch_fast([self.apply_template(s) for s in texts])
+        encodings = self.encode(texts)
         for i, enc in enumerate(encodings):
             if len(enc) > t.max_text_tokens:
                 raise InputError(
@@ -76,7 +129,7 @@ class PackedTokenizer:
                 )
         cu_out[0] = total = 0
         for i, enc in enumerate(encodings):
-            ids_out[total : total + len(enc)] = enc.ids
+            ids_out[total : total + len(enc)] = enc
             total += len(enc)
             cu_out[i + 1] = total
         return len(texts), total
@@ -94,15 +147,15 @@ class PackedTokenizer:
                 out.append(e)
         valid = [i for i, o in enumerate(out) if o is None]
         bound = self.task.max_prompt_tokens
-        for i, enc in zip(valid, self.tokenizer.encode_batch_fast([self.apply_template(prompts[i]) for i in valid])):
-            out[i] = enc.ids if len(enc) <= bound else InputError(
+        for i, enc in zip(valid, self.encode([prompts[i] for i in valid])):
+            out[i] = enc if len(enc) <= bound else InputError(
                 f"prompt is {len(enc)} tokens with the template, over max_prompt_tokens={bound}",
                 bound="max_prompt_tokens", limit=bound)
         return out
 
     def _check_text(self, text: object, where: str, bound: str, limit: int) -> None:
         if not isinstance(text, str):
-            raise InputError(f"{where} must be a string, got {type(text).__name__}")
+            raise InputError(f"{where} must be a string, got {json_type(text)}")
         if not text.strip():
             raise InputError(f"{where} is empty")
         if len(text) > limit * self._longest_token:

@@ -260,8 +260,8 @@ def test_handler_batch_with_good_and_bad_requests(archives):
     assert not any(k.startswith("X-Slm") for i in (1, 2, 4) for k in ctx.headers[i])  # refused: no call
     bodies = [json.loads(b) for b in out]
     assert bodies[0]["labels"] == ["yes", "no"] and len(bodies[0]["scores"]) == 2
-    assert "not valid JSON" in bodies[1]["error"] and "must be a list" in bodies[2]["error"]
-    assert "form fields ['hello']" in bodies[4]["error"]
+    assert "not valid JSON" in bodies[1]["error"] and "must be an array of strings" in bodies[2]["error"]
+    assert 'form fields "hello"' in bodies[4]["error"]
     # The two good requests shared one graph call (max_batch: 3); each equals its own call.
     assert bodies[3]["scores"][0] == pytest.approx(handler.engine.score(["the lazy dog"])[0], abs=1e-6)
     assert ctx.counters["SlmTexts"] == 3 and ctx.counters["SlmTokens"] > 3 and ctx.counters["SlmGraphTime"] > 0

@@ -114,16 +114,20 @@ BAD = [
     (b"this is not json", "not valid JSON"),
     (b'{"texts": ["a"', "not valid JSON"),  # truncated body
     (b'{"prompt": "a"}', "missing the field 'texts'"),
-    (b'{"texts": ["a"], "extra": 1}', "unknown fields ['extra']"),
-    (b'{"texts": "a"}', "must be a list"),
+    (b'{"texts": ["a"], "extra": 1}', 'unknown fields "extra"'),
+    (b'{"texts": "a"}', "must be an array of strings, got a string"),
+    (b'{"texts": {"a": 1}}', "must be an array of strings, got an object"),
+    (b'{"texts": [null]}', "texts[0] must be a string, got null"),
+    (json.dumps(json.dumps({"texts": ["a"]})).encode(), "must be a JSON object like {\"texts\": ...}, got a string"),
     (b'{"texts": [1, 2]}', "texts[0] must be a string"),
     (b'{"texts": []}', "'texts' is empty"),
     (b'{"texts": [""]}', "texts[0] is empty"),
     (b'{"texts": ["a", "b", "c", "d", "e", "f", "g", "h", "i"]}', "max_texts=8"),
     (json.dumps({"texts": ["word " * 200]}).encode(), "max_text_tokens=64"),
     (b'{"texts": ["\xff\xfe"]}', "not valid UTF-8"),
-    (b'[' * 100000 + b']' * 100000, "nested too deeply"),
-    (b'{"texts": [' + b'1' * 5000 + b']}', "4300 digits"),  # a huge number
+    (b'[' * 100000 + b']' * 100000, "nests arrays or objects too deeply"),
+    (b'{"texts": [' + b'1' * 5000 + b']}', "a number of 5000 digits (at most 32)"),
+    (b'{"texts": [NaN]}', "holds NaN, which is not JSON"),
     (b"[1, 2, 3]", "must be a JSON object"),
     (b'{"texts": ["' + b"a" * (10 * 1024 * 1024) + b'"]}', "characters, more than max_text_tokens=64"),
     (b'{"texts": ["ok", "lone \\ud800"]}', "texts[1] is not valid Unicode: a lone surrogate \\ud800"),
@@ -162,7 +166,7 @@ def test_a_thousand_bad_requests_among_valid_ones_hurt_nobody(server):
                      valid_requests(task, items, rng, n_valid))
         print(f"\n{model}: {json.dumps({k: v for k, v in result.items() if k != 'failures'})}")
         assert result["failures"] == [], result["failures"][:5]
-        assert result["worker_restarts"] == 0 and result["bad"] == n_bad and len(result["kinds"]) == 13
+        assert result["worker_restarts"] == 0 and result["bad"] == n_bad and len(result["kinds"]) == 17
         assert result["alone_repeats"] == n_valid and result["alone_workers"]  # each repeat alone: same bytes; the handler names its worker
         assert sum(v for k, v in result["statuses"].items() if k.startswith("4")) == n_bad
 
@@ -237,6 +241,13 @@ def test_a_worker_killed_under_load_comes_back_and_no_request_hangs(server, arch
             time.sleep(0.1)
         assert back is not None, "no new worker within 60 s"
         time.sleep(2)
+        # The killed worker's extracted package (hundreds of MB on a real model) is gone: the new
+        # one removed it as it loaded. One extraction per live worker, none at TMPDIR's top.
+        tmp = server.workdir / "tmp"
+        live = {str(w["pid"]) for m in ("tiny_score", "tiny_beam", "tiny_kill") for w in server.workers(m)}
+        extracted = {d.name.split("-")[0] for d in (tmp / "slm-aoti").iterdir()}
+        assert extracted <= live and str(worker["pid"]) not in extracted, (extracted, live)
+        assert not list(tmp.glob("aotinductor_*"))
     finally:
         stop.set()
         for t in threads:

@@ -58,8 +58,8 @@ def test_label_and_stop_ids(packer, smollm2):
         (["ok", "word " * 20], "max_text_tokens", r"texts\[1\] is \d+ tokens"),
         (["ok", ""], None, r"texts\[1\] is empty"),
         (["ok", "  \n"], None, r"texts\[1\] is empty"),
-        (["ok", 3], None, r"texts\[1\] must be a string, got int"),
-        ("a string", None, "'texts' must be a list of strings, got str"),
+        (["ok", 3], None, r"texts\[1\] must be a string, got a number"),
+        ("a string", None, "'texts' must be an array of strings, got a string"),
     ],
 )
 def test_bad_texts_raise_typed_errors_naming_the_bound(packer, texts, bound, message):
