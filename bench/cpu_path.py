@@ -14,24 +14,25 @@ import torch
 from tokenizers import Tokenizer
 
 from bench.workloads import WORKLOADS, TextMaker
-from slm_core.engine import Engine
-from slm_core.protocol import respond_batch
-from slm_core.spec import RuntimeSpec, TaskSpec
-from slm_core.tokenizer import PackedTokenizer
+from slm_core.serve.engine import Engine
+from slm_core.serve.protocol import Request, respond_batch
+from slm_core.spec import TaskSpec
+from slm_core.tasks import Task, task_for
 
 
 class StubGraph(torch.nn.Module):
-    """A graph's outputs for the packed batch, with no model: beam candidates or score rows."""
+    """A graph's outputs for the packed batch in the shapes of the task's signature, with no
+    model: a row per text, or beam candidates of token ids below `vocab`."""
 
-    def __init__(self, task: TaskSpec, vocab: int):
+    def __init__(self, task: Task, vocab: int):
         super().__init__()
         self.task, self.vocab = task, vocab
 
     def forward(self, ids: torch.Tensor, cu: torch.Tensor):
         n, g = cu.shape[0] - 1, torch.Generator().manual_seed(0)
-        if self.task.task == "score":
+        if self.task.api == "score":
             return torch.rand(n, len(self.task.labels), generator=g)
-        w, k = self.task.beam_width, self.task.new_tokens
+        w, k = self.task.width, self.task.new_tokens
         return torch.randint(0, self.vocab, (n, w, k), generator=g), torch.full((n, w), k), -torch.rand(n, w, generator=g)
 
 
@@ -46,9 +47,10 @@ def main() -> None:
     for name in args.workloads.split(","):
         workload = WORKLOADS[name]
         batches = [int(b) for b in args.batches.split(",")]
-        task = TaskSpec.from_dict({**workload.task, "max_batch": max(batches)})
-        engine = Engine(StubGraph(task, tokenizer.get_vocab_size()), PackedTokenizer(tokenizer, task), task, RuntimeSpec(device="cpu"))
-        bodies = [{"body": json.dumps(b).encode()} for b in TextMaker(tokenizer, seed=2).requests(workload, max(batches))]
+        task = task_for(TaskSpec.from_dict({**workload.task, "max_batch": max(batches)}), tokenizer)
+        engine = Engine(StubGraph(task, tokenizer.get_vocab_size()), task, "cpu")
+        bodies = [Request({"body": json.dumps(b).encode()})
+                  for b in TextMaker(tokenizer, seed=2).requests(workload, max(batches))]
         for b in batches:
             respond_batch(engine, bodies[:b])  # warm up
             timings = []

@@ -8,10 +8,8 @@
 #   bash bench/h200.sh gemm    # the linears of W1 and of the beam decode: cuBLAS bf16, Inductor max-autotune, FP8
 #   bash bench/h200.sh bench   # the measured run: noop ceiling, every $SLM deployment and the HF
 #                              # peer on W1-W3, served-answer check, report, PNGs
-#   bash bench/h200.sh profile # where one request's time goes, per Triton archive, CUDA graphs on/off
-#   bash bench/h200.sh contexts # graph calls at once in one process: 1-4 threads on 4 request contexts,
-#                              # per bf16 Triton archive (bench/contexts.py)
-#   bash bench/h200.sh reliability # issue 8 on the bf16 Triton archives: bad input (bench.reliability fuzz),
+#   bash bench/h200.sh profile # where one request's time goes, per archive, CUDA graphs on/off
+#   bash bench/h200.sh reliability # on the archiver's default deployments: bad input (bench.reliability fuzz),
 #                              # 3x capacity for 60 s (overload); $SOAK seconds at 0.8x capacity if set
 #   bash bench/h200.sh start   # in the background: build beside check + kernels, then bench, then profile,
 #                              # into .bench-work/out; then follow
@@ -20,10 +18,11 @@
 # The pipeline (`start`) outlives the call: a process in its own session runs on while the machine
 # stays warm, so each next call is just `follow`, back to back (the machine goes back when idle).
 # Needs: carry [".devbundle", "bench/assets"]; $OUT (the device tool's output folder); $COMMIT.
-# Optional: $VARIANTS, $SLM (below), $SYSTEMS (slm,hf: SYSTEMS=slm leaves the peer out), PROFILE=0, CHECK=0, BENCH=0,
+# Optional: $VARIANTS, $SLM (below), $SYSTEMS (slm,hf: SYSTEMS=slm leaves the peer out), PROFILE=0, CHECK=0, KERNELS=0,
+# BENCH=0,
 # RELIABILITY=1 (the reliability step after the bench; SOAK=600 adds the soak; RELIABLE and STEPS: below),
 # $WORKLOADS (default W3,W2,W1), $BENCH_ARGS (more bench.run options for the pipeline's bench step,
-# e.g. --levels). On nvidia-h200-x2, SLM=...,triton:4:8:g2 spreads 4 workers over 2 GPUs.
+# e.g. --levels). On nvidia-h200-x2, SLM=...,4:8:g2 spreads 4 workers over 2 GPUs.
 # MPS=1 (default): the pipeline runs NVIDIA's Multi-Process Service, so the workers' processes share
 # the GPU instead of time-slicing it (bench/mps.py); MPS=0 leaves it off. NOMPS_SLM=...: after the
 # bench step, these deployments again without MPS (the same run's comparison), into $OUT/nomps.
@@ -31,12 +30,11 @@ set -u
 source .devbundle/setup.sh
 WORK=.bench-work
 COMMIT=${COMMIT:-unknown}
-# every slm archive the steps below use: attention:workers:batch (the workers do not need a build)
-VARIANTS=${VARIANTS:-triton:1:4:score,triton:1:4:fp8static:score,triton:1:8:topk:beam}
-# the deployments measured: the archiver's defaults, two sync workers (score: max_batch 4; beam: 8;
-# bench/RESULTS.md, runs 2026-12-01), and score by one async worker with 2 request contexts, in bf16
-# and in fp8-static (W1's fastest, run 075105Z)
-SLM=${SLM:-triton:2:4:score,triton:1:4:ctx2:score,triton:1:4:ctx2:fp8static:score,triton:2:8:topk:beam}
+# every slm archive the steps below use: workers:batch[:options] (the workers do not need a build)
+VARIANTS=${VARIANTS:-1:4:score,1:4:fp8static:score,1:8:beam}
+# the deployments measured: the archiver's defaults, two workers per GPU (score: max_batch 4; beam:
+# 8), and W1's fastest, three workers in fp8-static (bench/RESULTS.md)
+SLM=${SLM:-2:4:score,2:4:fp8static:score,3:4:fp8static:score,2:8:beam}
 WORKLOADS=${WORKLOADS:-W3,W2,W1}
 PIPE=$WORK/out
 ARGS=(--device cuda --tokenizer bench/assets/tokenizer.json --work "$WORK" --commit "$COMMIT")
@@ -56,9 +54,9 @@ case "$1" in
 build)
     python3 -m bench.run "${ARGS[@]}" --jobs 6 --build-only --slm "$VARIANTS" --workloads "$WORKLOADS" ;;
 check)
-    python3 -m pytest -q -s tests/test_gpu.py -p no:cacheprovider -k "bf16 or export or triton_attention or two_gpus" ;;
+    python3 -m pytest -q -s tests/gpu -p no:cacheprovider -k "bf16 or export or triton_attention or two_gpus" ;;
 check-full)
-    python3 -m pytest -q -s tests/test_gpu.py -p no:cacheprovider ;;
+    python3 -m pytest -q -s tests/gpu -p no:cacheprovider ;;
 kernels)
     python3 -m bench.kernels_bench --out "$OUT/kernels_bench.json" ;;
 gemm)
@@ -67,22 +65,9 @@ bench)
     python3 -m bench.run "${ARGS[@]}" --out "$OUT" --warmup 1.5 --duration 3 --slm "$SLM" --no-build \
         --workloads "$WORKLOADS" --hf-workers 4 --systems "${SYSTEMS:-slm,hf}" "${@:2}"
     python3 -m bench.report "$OUT"/*_bench.jsonl --png-dir "$OUT" ;;
-contexts)
-    for mar in "$WORK"/model-store/slm_*_triton_b?_topk.mar "$WORK"/model-store/slm_score_*_triton_b?.mar; do
-        [ -e "$mar" ] || continue
-        name=$(basename "$mar" .mar)
-        [ -d "$WORK/unpacked/$name" ] || python3 -m zipfile -e "$mar" "$WORK/unpacked/$name"
-        case "$name" in *score*) ws=W1 ;; *) ws="W2 W3" ;; esac
-        for w in $ws; do
-            # a call that never returns gets every thread's stack (SIGUSR1), then the kill
-            timeout -s USR1 -k 15 180 python3 -m bench.contexts --package "$WORK/unpacked/$name" --workload "$w" --contexts 4 --seconds 2 \
-                --tokenizer bench/assets/tokenizer.json --out "$OUT/contexts_${w}_${name}.json"
-        done
-    done ;;
 profile)
     # one request per call, with and without CUDA graphs, per built Triton archive
-    for mar in "$WORK"/model-store/slm_*_triton_b?.mar "$WORK"/model-store/slm_*_triton_b?_topk.mar \
-               "$WORK"/model-store/slm_*_triton_b?_fp8static.mar; do
+    for mar in "$WORK"/model-store/slm_*_b?.mar "$WORK"/model-store/slm_*_b?_fp8static.mar; do
         [ -e "$mar" ] || continue
         name=$(basename "$mar" .mar)
         [ -d "$WORK/unpacked/$name" ] || python3 -m zipfile -e "$mar" "$WORK/unpacked/$name"
@@ -96,20 +81,18 @@ profile)
         done
     done ;;
 reliability)
-    # the bench step's copies (NAME_xWORKERS.mar, configured as the archiver configures that many
-    # workers): by default the archiver's defaults, 2 sync workers (beam, score), then score by one
-    # async worker with 2 request contexts (its outage under overload in run 234007Z is to be
-    # explained from these logs); overload with the workload's own requests. RELIABLE: NAME:WORKLOAD[:CAPACITY]
-    # (a capacity given skips measuring it); STEPS: bench.reliability's steps. Each copy is made
-    # (again) here from its archive, NAME[_ctxC]_xN.mar from NAME.mar, as the bench step makes them
-    for spec in ${RELIABLE:-slm_beam_qwen25_triton_b8_topk_x2:W2 slm_score_qwen3_triton_b4_x2:W1 slm_score_qwen3_triton_b4_ctx2_x1:W1}; do
+    # the bench step's deployments (NAME_xWORKERS.mar, configured by the archiver for that many
+    # workers): by default the archiver's defaults, 2 workers (beam, score); overload with the
+    # workload's own requests. RELIABLE: NAME:WORKLOAD[:CAPACITY] (a capacity given skips measuring
+    # it); STEPS: bench.reliability's steps. Each copy is made (again) here from its archive, NAME_xN.mar
+    # from NAME.mar, as the bench step makes them
+    for spec in ${RELIABLE:-slm_beam_qwen25_b8_x2:W2 slm_score_qwen3_b4_x2:W1}; do
         IFS=: read -r name workload capacity <<< "$spec"
         workers=${name##*_x}
         mar="$WORK/model-store/$name.mar"
-        base=${name%_x*} contexts=0
-        [[ $base =~ _ctx([0-9]+)$ ]] && contexts=${BASH_REMATCH[1]} base=${base%_ctx*}
-        [ ! -e "$WORK/model-store/$base.mar" ] || python3 -c "from pathlib import Path; from bench.run \
-import configured_copy; configured_copy(Path('$WORK/model-store/$base.mar'), Path('$mar'), $workers, contexts=$contexts)"
+        base=${name%_x*}
+        [ ! -e "$WORK/model-store/$base.mar" ] || python3 -m archiver configure --archive "$WORK/model-store/$base.mar" \
+            --export-path "$WORK/model-store" --model-name "$name" --workers "$workers" --response-timeout 600 --device-ids 0
         [ -e "$mar" ] || { echo "no $mar"; continue; }
         case "$name" in *score*) task=(--task score --max-items 16 --max-tokens 160) ;;
                         *) task=(--task beam --max-tokens 512) ;; esac
@@ -124,9 +107,9 @@ all)
     mkdir -p "$OUT"
     mps "${MPS:-1}"
     bash "$0" build > "$OUT/build.log" 2>&1 &
-    [ "${CHECK:-1}" = 1 ] && { bash "$0" check > "$OUT/check.log" 2>&1; bash "$0" kernels > "$OUT/kernels.log" 2>&1; } &
+    [ "${CHECK:-1}" = 1 ] && { bash "$0" check > "$OUT/check.log" 2>&1
+                               [ "${KERNELS:-1}" = 0 ] || bash "$0" kernels > "$OUT/kernels.log" 2>&1; } &
     wait
-    [ "${CONTEXTS:-1}" = 1 ] && bash "$0" contexts > "$OUT/contexts.log" 2>&1
     [ "${BENCH:-1}" = 1 ] && bash "$0" bench ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
     if [ -n "${NOMPS_SLM:-}" ]; then
         mps 0
@@ -141,7 +124,7 @@ start)
     # a warm machine keeps the last pipeline's out/: its DONE would end `follow` at once
     mkdir -p "$PIPE" && rm -f "$PIPE/DONE" && cp "$0" "$WORK/pipeline.sh"  # runs from a copy: the next call re-sends the tree
     COMMIT=$COMMIT SLM=$SLM VARIANTS=$VARIANTS WORKLOADS=$WORKLOADS SYSTEMS=${SYSTEMS:-slm,hf} \
-        BENCH_ARGS=${BENCH_ARGS:-} PROFILE=${PROFILE:-1} CHECK=${CHECK:-1} CONTEXTS=${CONTEXTS:-1} \
+        BENCH_ARGS=${BENCH_ARGS:-} PROFILE=${PROFILE:-1} CHECK=${CHECK:-1} KERNELS=${KERNELS:-1} \
         RELIABILITY=${RELIABILITY:-0} BENCH=${BENCH:-1} SOAK=${SOAK:-} RELIABLE=${RELIABLE:-} STEPS=${STEPS:-} \
         MPS=${MPS:-1} NOMPS_SLM=${NOMPS_SLM:-} \
         setsid nohup bash "$WORK/pipeline.sh" all > "$WORK/pipeline.log" 2>&1 < /dev/null &
@@ -155,5 +138,5 @@ follow)
     for f in "$PIPE"/*.log; do echo "== $f"; tail -n 8 "$f"; done
     [ -e "$PIPE/DONE" ] && echo PIPELINE DONE || echo "PIPELINE RUNNING (follow again)" ;;
 *)
-    echo "usage: bench/h200.sh build|check|check-full|kernels|bench|profile|contexts|reliability|start|follow" >&2; exit 2 ;;
+    echo "usage: bench/h200.sh build|check|check-full|kernels|gemm|bench|profile|reliability|start|follow" >&2; exit 2 ;;
 esac

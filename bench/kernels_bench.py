@@ -152,9 +152,6 @@ def decode(width: int, prompts: list[int], suffix: int, hq: int, hkv: int, d: in
     for bw, bn, warps, stages in ((16, 64, 4, 3), (16, 64, 4, 2), (8, 64, 4, 3), (4, 64, 4, 3), (32, 32, 4, 3), (16, 128, 8, 2)):
         fn = lambda: prefix_suffix_attention(q, kp, vp, ks, vs, scale, cu, bw, bn, warps, stages)  # noqa: E731
         r[f"triton prefix {bw}x{bn} w{warps} s{stages}"] = timed(fn, ref)
-    for splits in (2, 4, 8):  # flash-decoding: each prompt's keys split between programs, then merged
-        fn = lambda: prefix_suffix_attention(q, kp, vp, ks, vs, scale, cu, splits=splits)  # noqa: E731
-        r[f"triton prefix default rows, {splits} splits"] = timed(fn, ref)
     fn = lambda: prefix_suffix_attention_ref(q, kp, vp, ks, vs, scale, cu)  # noqa: E731
     r["reference"] = timed(fn, ref)
 

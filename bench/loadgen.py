@@ -27,8 +27,6 @@ class Point:
     handler_ms: float = float("nan")
     graph_ms: float = float("nan")
     call_batch: float = float("nan")
-    wait_ms: float = float("nan")  # async mode: in the worker's own queue (X-Slm-Wait-Ms)
-    captured: int = 0  # answers in the window whose graph call captured a CUDA graph (X-Slm-Captured)
     first_error: str = ""  # the window's first failed answer: status and the start of its body (who refused)
 
     def meets_slo(self, mean_ms: float = 20.0, p99_ms: float = 80.0) -> bool:
@@ -45,7 +43,7 @@ async def _run(url: str, bodies: list[bytes], concurrency: int, warmup: float, d
     latencies: list[float] = []
     done: list[int] = []
     split: list[tuple[float, ...]] = []  # X-Slm-* headers of the answers in the window
-    errors = captured = 0
+    errors = 0
     first_error = ""
     counter = 0
     start = time.perf_counter()
@@ -55,18 +53,17 @@ async def _run(url: str, bodies: list[bytes], concurrency: int, warmup: float, d
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout)) as session:
 
         async def client():
-            nonlocal errors, counter, captured, first_error
+            nonlocal errors, counter, first_error
             while time.perf_counter() < window[1]:
                 i = counter % len(bodies)
                 counter += 1
                 sent = time.perf_counter()
-                times = [None] * 5
+                times = [None] * 3
                 try:
                     async with session.post(url, data=bodies[i], headers={"Content-Type": "application/json"}) as r:
                         body = await r.read()
                         ok = r.status == 200
-                        times = [r.headers.get(f"X-Slm-{h}")
-                                 for h in ("Handler-Ms", "Graph-Ms", "Batch", "Wait-Ms", "Captured")]
+                        times = [r.headers.get(f"X-Slm-{h}") for h in ("Handler-Ms", "Graph-Ms", "Batch")]
                         failure = "" if ok else f"{r.status} {body[:160].decode('utf-8', 'replace')}"
                 except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                     ok, failure = False, type(e).__name__
@@ -75,9 +72,8 @@ async def _run(url: str, bodies: list[bytes], concurrency: int, warmup: float, d
                     if ok:
                         latencies.append((end - sent) * 1e3)
                         done.append(i)
-                        if None not in times[:3]:  # Wait-Ms: async workers only (0 in sync mode)
-                            split.append((*map(float, times[:3]), float(times[3] or "nan")))
-                        captured += times[4] == "1"
+                        if None not in times:
+                            split.append(tuple(map(float, times)))
                     else:
                         errors += 1
                         first_error = first_error or failure
@@ -90,9 +86,8 @@ async def _run(url: str, bodies: list[bytes], concurrency: int, warmup: float, d
         p50_ms=percentile(latencies, 50) if n else float("nan"),
         p99_ms=percentile(latencies, 99) if n else float("nan"),
         completed=n, errors=errors, seconds=duration, request_indices=tuple(done),
-        window_start=window_start, captured=captured, first_error=first_error,
-        **({} if not split else dict(zip(("handler_ms", "graph_ms", "call_batch", "wait_ms"),
-                                          map(statistics.fmean, zip(*split))))),
+        window_start=window_start, first_error=first_error,
+        **({} if not split else dict(zip(("handler_ms", "graph_ms", "call_batch"), map(statistics.fmean, zip(*split))))),
     )
 
 

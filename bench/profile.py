@@ -14,8 +14,8 @@ import torch
 from tokenizers import Tokenizer
 
 from bench.workloads import WORKLOADS, TextMaker
-from slm_core.package import load_package
-from slm_core.protocol import respond_batch
+from slm_core.serve.loader import load_package
+from slm_core.serve.protocol import Request, respond_batch
 
 
 def timed(fn, repeat: int) -> float:
@@ -42,18 +42,14 @@ def main() -> None:
     bodies = TextMaker(Tokenizer.from_file(str(args.tokenizer)), seed=2).requests(workload, args.batch)
     body = bodies[0]
     raw = json.dumps(body).encode()
-    batch = [{"body": json.dumps(b).encode()} for b in bodies]  # as TorchServe hands a batch over
+    batch = [Request({"body": json.dumps(b).encode()}) for b in bodies]  # as TorchServe hands a batch over
     for _ in range(3):
         respond_batch(engine, batch)  # warm up
 
-    tok = engine.tokenizer
-    if workload.texts:
-        pack = lambda: tok.pack_texts(body["texts"], engine.contexts[0].ids.numpy(), engine.contexts[0].cu.numpy())  # noqa: E731
-    else:
-        pack = lambda: tok.encode_prompts([body["prompt"]])  # noqa: E731  (the engine packs a call's ids)
+    value = engine.task.request(body)
     parts = {
         "json_parse_ms": timed(lambda: json.loads(raw), args.repeat),
-        "tokenize_pack_ms": timed(pack, args.repeat),
+        "tokenize_pack_ms": timed(lambda: engine._pack(engine.task.encode([value])), args.repeat),
         "end_to_end_in_process_ms (the whole batch)": timed(lambda: respond_batch(engine, batch), args.repeat),
     }
     graph_ms = [respond_batch(engine, batch)[0].stats.graph_ms for _ in range(args.repeat)]

@@ -1,4 +1,4 @@
-"""Bad input through REST, measured (issue 8): generated malformed and adversarial requests
+"""Bad input through REST, measured: generated malformed and adversarial requests
 interleaved with valid ones, sent concurrently to a running TorchServe. Every bad one must get a
 4xx JSON error, every valid one its correct answer (the one it gets alone, before the run: exact to
 1e-5, or with --archive within what the package's build allows compiled against eager for its
@@ -181,9 +181,10 @@ class Tolerance(NamedTuple):
 
     @classmethod
     def of_precision(cls, precision: str) -> "Tolerance":
-        from slm_core.package import BEAM_TOLERANCE, MIN_SHARED, TOLERANCE
+        from slm_core.tasks import BeamTask, LabelsTask
 
-        return cls(TOLERANCE[precision], BEAM_TOLERANCE[precision], MIN_SHARED[precision], same_order=False)
+        return cls(LabelsTask.tolerance[precision], BeamTask.tolerance[precision], BeamTask.min_shared[precision],
+                   same_order=False)
 
 
 def difference(a: dict, b: dict) -> tuple[float, float]:
@@ -446,19 +447,14 @@ def main() -> None:
     if args.workload and not args.tokenizer:
         p.error("--workload needs --tokenizer")
     server, results, tolerance = None, {}, Tolerance()
-    if args.archive:  # what admission the archive configures (archiver.build.admission), its precision
-        import zipfile
+    if args.archive:  # the deployment the archive's serving spec makes, and its precision
+        from archiver.build import read_manifest, read_serving  # imports torch: only with --archive
 
-        import yaml
-
-        from archiver.build import served_queue  # imports torch: only with --archive
-
-        with zipfile.ZipFile(args.archive) as z:
-            config = yaml.safe_load(z.read("model-config.yaml"))
-            precision = json.loads(z.read("manifest.json"))["task"]["precision"]
-        args.workers = args.workers or config.get("minWorkers", 1)
-        results["served"] = {"workers": args.workers, "batchSize": config["batchSize"], "queue": served_queue(config),
-                             "contexts": (config.get("handler") or {}).get("contexts", 0), "precision": precision}
+        serving, manifest = read_serving(args.archive), read_manifest(args.archive)
+        precision = manifest["task"]["precision"]
+        args.workers = args.workers or serving.workers
+        results["served"] = {"workers": args.workers, "batchSize": serving.batch, "queue": serving.queue,
+                             "precision": precision}
         tolerance = Tolerance.of_precision(precision)
         server = TorchServe(Path(tempfile.mkdtemp(prefix="reliability-")), args.archive.parent).start()
         args.model = args.archive.stem

@@ -32,27 +32,17 @@ def fmt(x: float, digits: int = 1) -> str:
 
 def label(r: dict) -> str:
     """"slm (triton)", "slm (triton, ×2 workers, batch 8)", "hf" (its worker counts share one row:
-    the best is its capacity), "noop"; records from before the attention field say "slm"."""
-    if r["system"] != "slm" or not r.get("attention"):
+    the best is its capacity), "noop". The kernels are the archive's (older records: "attention")."""
+    kernels = r.get("kernels") or r.get("attention")
+    if r["system"] != "slm" or not kernels:
         return r["system"]
     extra = ([f"×{r['workers']} workers"] if r["workers"] > 1 else []) + (
         [f"{r['gpus']} GPUs"] if r.get("gpus", 1) > 1 else []) + (
         [f"batch {r['batch']}"] if r.get("batch", 1) > 1 else []) + (
-        [f"TorchServe batch {r['ts_batch']}"] if r.get("ts_batch", r.get("batch")) != r.get("batch")
-        and not r.get("contexts") else []) + (
         ["no CUDA graphs"] if r.get("cuda_graphs") is False and r.get("device") != "cpu" else []) + (
-        ["graphs captured on first call"] if r.get("capture_at_load") is False and r.get("cuda_graphs")
-        and r.get("device") != "cpu" else []) + (
-        ["Triton top-k"] if r.get("topk") else []) + (
-        # overlap and switch_interval_ms: options since removed, in the records of runs 234007Z and 015205Z
-        [f"async, {r['contexts']} contexts" + ("" if r.get("overlap", True) else ", calls taking turns")
-         + (f", switch interval {r['switch_interval_ms']:g} ms" if r.get("switch_interval_ms") is not None else "")]
-        if r.get("contexts") else []) + (
-        [{"fp8-mlp": "FP8 MLP", "fp8-mlp-lmhead": "FP8 MLP + LM head",
-          "fp8-static": "FP8 qkv + MLP, static scales"}[r["precision"]]]
-        if r.get("precision", "").startswith("fp8") else []) + (
+        ["FP8 qkv + MLP, static scales"] if r.get("precision") == "fp8-static" else []) + (
         ["fails the FP8 accuracy gate"] if r.get("fp8_gate_passes") is False else [])
-    return f"slm ({', '.join([r['attention'], *extra])})"
+    return f"slm ({', '.join([kernels, *extra])})"
 
 
 def table(records: list[dict]) -> str:
@@ -85,19 +75,16 @@ def table(records: list[dict]) -> str:
         lines += ["", "Per request at the capacity point (else the best point): client latency split by "
                       "TorchServe's counters and the handler's X-Slm-* headers (handler: parse, tokenize, graph "
                       "call, encode of the request's whole batch; graph call: copy in, GPU, copy out).", "",
-                  "| workload | system | at | client mean (ms) | in TorchServe | of which queued | "
-                  "queued in the worker (async) | handler | of which graph call | requests per call | "
-                  "IPC + batching wait | HTTP + client | answers behind a CUDA-graph capture |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| workload | system | at | client mean (ms) | in TorchServe | of which queued | handler | "
+                  "of which graph call | requests per call | IPC + batching wait | HTTP + client |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for w, s, r in split:
             handler = r.get("handler_ms", float("nan"))
-            wait = r.get("wait_ms", float("nan")) if r.get("contexts") else 0.0
             lines.append(f"| {w} | {s} | c={r['concurrency']} | {fmt(r['mean_ms'])} | {fmt(r['ts_frontend_ms'])} | "
-                         f"{fmt(r['ts_queue_ms'])} | {fmt(wait) if r.get('contexts') else '–'} | {fmt(handler)} | "
+                         f"{fmt(r['ts_queue_ms'])} | {fmt(handler)} | "
                          f"{fmt(r.get('graph_ms', float('nan')))} | {fmt(r.get('call_batch', float('nan')))} | "
-                         f"{fmt(r['ts_frontend_ms'] - r['ts_queue_ms'] - wait - handler)} | "
-                         f"{fmt(r['mean_ms'] - r['ts_frontend_ms'])} | "
-                         f"{r['captured'] if 'captured' in r else '–'} of {r['completed']} |")
+                         f"{fmt(r['ts_frontend_ms'] - r['ts_queue_ms'] - handler)} | "
+                         f"{fmt(r['mean_ms'] - r['ts_frontend_ms'])} |")
     noop = [r for r in records if r["system"] == "noop"]
     if noop:
         top = max(noop, key=lambda r: r["qps"])

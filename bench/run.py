@@ -26,17 +26,19 @@ import torch
 import yaml
 from tokenizers import Tokenizer
 
-from archiver.build import (DEFAULT_DEADLINE_MS, admission, check_batch_delay, model_config, serve_async,
-                           served_queue)
+from archiver.build import configure, read_manifest, read_serving
 from bench import flops
 from bench.loadgen import measure, sweep
 from bench.workloads import WORKLOADS, TextMaker, Workload
 from handlers.local_server import TorchServe, http
-from slm_core.package import gate_passes, mps_running
-from slm_core.spec import ModelSpec
+from slm_core.build.checks import GateThresholds
+from slm_core.serve.loader import mps_running
+from slm_core.serving import ServingOptions, ServingSpec
+from slm_core.spec import ModelSpec, TaskSpec
+from slm_core.tasks import Task, task_for
 
 BENCH = Path(__file__).resolve().parent
-OPTION_PRECISION = {"fp8": "fp8-mlp", "fp8head": "fp8-mlp-lmhead", "fp8static": "fp8-static"}  # --slm options
+OPTION_PRECISION = {"fp8static": "fp8-static"}  # --slm options
 PRECISION_SUFFIX = {p: f"_{o}" for o, p in OPTION_PRECISION.items()}  # archive names of the fp8 builds
 LEVELS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128]  # finer where the SLO usually binds
 
@@ -62,21 +64,27 @@ def random_checkpoint(arch: dict, tokenizer: Path, out: Path) -> Path:
     return out
 
 
-def slm_build(name: str, checkpoint: Path, task: dict, store: Path, device: str, attention: str,
-              work: Path, topk: str = "torch") -> list[str] | None:
-    """The archiver command that builds `name`.mar, or None if the store already has it: one sync
-    worker whatever the archiver's defaults (deployments serve configured copies). FP8 builds
-    are measured whatever their accuracy gate says: the gate's figures are recorded, and checked
-    against the archiver's default thresholds, with each point (fp8_gate, fp8_gate_passes)."""
+def slm_build(name: str, checkpoint: Path, task: dict, store: Path, device: str, work: Path) -> list[str] | None:
+    """The archiver command that builds `name`.mar, or None if the store already has it: one
+    worker whatever the archiver's defaults (deployments serve copies configured by the archiver).
+    FP8 builds are measured whatever their accuracy gate says: the gate's figures are recorded, and
+    checked against the archiver's default thresholds, with each point (fp8_gate, fp8_gate_passes)."""
     if (store / f"{name}.mar").exists():
         return None
     (work / f"{name}.yaml").write_text(yaml.safe_dump(task))
     return [sys.executable, "-m", "archiver", "build", "--checkpoint", str(checkpoint), "--task",
             str(work / f"{name}.yaml"), "--model-name", name, "--export-path", str(store), "--device", device,
-            "--attention", attention, "--topk", topk, "--response-timeout", "600",
-            "--workers", "1", "--contexts", "0"] + (  # one sync worker: each deployment sets its own
+            "--response-timeout", "600", "--workers", "1"] + (  # each deployment sets its own workers
             ["--device-ids", "0"] if device == "cuda" else []) + (  # one GPU unless a deployment says gN
             ["--fp8-max-diff", "1", "--fp8-min-shared", "0"] if task["precision"].startswith("fp8") else [])
+
+
+def gate_passes(gate: dict) -> bool:
+    """Whether an FP8 build's gate figures pass the archiver's default thresholds."""
+    default = GateThresholds()
+    if "max_abs_diff" in gate:
+        return gate["max_abs_diff"] <= default.max_diff
+    return gate["shared_candidates"] >= default.min_shared
 
 
 def build_all(commands: dict[str, list[str]], jobs: int, work: Path) -> set[str]:
@@ -114,24 +122,23 @@ def archive_handler(name: str, handler: Path, extra: dict, store: Path, device: 
     for file, content in extra.items():
         (stage / file).write_text(json.dumps(content))
     config = work / f"{name}-config.yaml"
-    config.write_text(yaml.safe_dump(model_config(device, workers=1, response_timeout=600, device_ids=[0])))
+    serving = ServingSpec("cuda" if device == "cuda" else "cpu", workers=1, batch=1, queue=100, response_timeout_s=600,
+                          device_ids=(0,) if device == "cuda" else ())
+    config.write_text(yaml.safe_dump(serving.model_config()))
     generate_model_archive(ModelArchiverConfig(
         model_name=name, handler=str(handler), version="1.0", extra_files=str(stage), export_path=str(store),
         archive_format="zip-store", force=True, config_file=str(config)))
 
 
-def request_flops(workload: Workload, spec: ModelSpec, tokenizer: Tokenizer, body: dict,
-                  precision: str = "bf16") -> tuple[int, int]:
-    """A request's logical FLOPs (bench.flops) and, of them, those an fp8 `precision` runs in E4M3."""
-    template = workload.task.get("prompt_template")
-    if workload.texts:
-        lengths = [len(tokenizer.encode((template or "{text}").replace("{text}", t)).ids) for t in body["texts"]]
-        labels = len(workload.task.get("labels") or workload.arch["id2label"])  # label tokens or a classifier's
-        return (flops.score_flops(spec, lengths, labels),
-                flops.fp8_flops(spec, precision, sum(lengths), skipped=sum(lengths) - len(lengths)))
-    prompt = len(tokenizer.encode((template or "{prompt}").replace("{prompt}", body["prompt"])).ids)
-    w, n = workload.task["beam_width"], workload.task["new_tokens"]
-    return flops.beam_flops(spec, prompt, w, n), flops.beam_fp8_flops(spec, precision, prompt, w, n)
+def workload_task(workload: Workload, tokenizer: Tokenizer) -> Task:
+    """The task a workload's archives serve (a classifier's label names from its architecture)."""
+    labels = workload.task.get("labels") or list(workload.arch.get("id2label", {}).values())
+    return task_for(TaskSpec.from_dict({**workload.task, "labels": labels, "max_batch": 1}), tokenizer)
+
+
+def request_flops(task: Task, spec: ModelSpec, body: dict, precision: str = "bf16") -> tuple[int, int]:
+    """A request's logical FLOPs and, of them, those an fp8 `precision` runs in E4M3 (Task.flops)."""
+    return task.flops(spec, task.request(body), precision)
 
 
 def main() -> None:
@@ -142,25 +149,20 @@ def main() -> None:
     p.add_argument("--out", default=str(BENCH / "results"))
     p.add_argument("--workloads", default="W1,W2,W3")
     p.add_argument("--systems", default="slm,hf")
-    p.add_argument("--slm", help="slm variants to measure, comma-separated ATTENTION:WORKERS:BATCH[:OPTION...], "
-                                 "e.g. triton:2:8 (BATCH: requests per graph call). Options: nographs (the same archive "
-                                 "served without CUDA graphs), lazy (the same archive capturing each CUDA-graph "
-                                 "bucket on its first call, not all at worker load), topk (beam archives built with "
-                                 "--topk triton), fp8 / fp8head (built with precision fp8-mlp / fp8-mlp-lmhead, score "
-                                 "archives fp8-mlp; slm_core.fp8), gN (the "
-                                 "workers spread over GPUs 0..N-1 in turn; otherwise all on GPU 0), e.g. triton:4:8:g2, "
-                                 "tsbN (TorchServe hands a worker at most N < BATCH requests at once, so that they "
-                                 "spread over more workers), e.g. triton:4:8:g2:tsb2, ctxN (TorchServe's async mode, "
-                                 "N request contexts per worker: archiver --contexts N), e.g. triton:1:8:topk:ctx3, "
-                                 "score / beam (the variant serves only that task's archives). "
-                                 "Default: triton:1:1,triton:1:1:nographs on cuda, reference:1:1 on cpu")
+    p.add_argument("--slm", help="slm deployments to measure, comma-separated WORKERS:BATCH[:OPTION...], e.g. 2:8 "
+                                 "(BATCH: the task's max_batch, requests per graph call, split between the workers "
+                                 "of a GPU as the archiver splits it). Options: fp8static (built with precision "
+                                 "fp8-static), nographs (the same archive served without CUDA graphs), gN (the "
+                                 "workers spread over GPUs 0..N-1 in turn; otherwise all on GPU 0), e.g. 4:8:g2, "
+                                 "score / beam (the deployment serves only that task's archives). "
+                                 "Default: 1:1,1:1:nographs on cuda, 1:1 on cpu")
     p.add_argument("--levels", default=",".join(map(str, LEVELS)), help="concurrency levels swept")
     p.add_argument("--hf-workers", default="1,4", help="peer worker counts to try; the best is kept")
     p.add_argument("--warmup", type=float, default=2.0)
     p.add_argument("--duration", type=float, default=6.0)
     p.add_argument("--prewarm", type=float, default=0.5,
                    help="seconds per concurrency of an unrecorded pass before each sweep, up to 2 x batch x workers "
-                        "in flight: each batch size is seen once (slm CUDA graphs capture new sizes on first sight)")
+                        "in flight: each worker has seen each batch size once")
     p.add_argument("--requests", type=int, default=64, help="distinct request bodies per workload")
     p.add_argument("--jobs", type=int, default=1, help="archives built at once")
     p.add_argument("--build-only", action="store_true", help="build the archives into --work and stop")
@@ -177,39 +179,28 @@ def main() -> None:
     workloads, checkpoints, tokenizers, specs = plan(args, work)
     systems = args.systems.split(",")
     levels = [int(c) for c in args.levels.split(",")]
-    variants = [parse_variant(v) for v in (args.slm or ("triton:1:1,triton:1:1:nographs"
-                                                          if args.device == "cuda" else "reference:1:1")).split(",")]
+    variants = [parse_variant(v) for v in (args.slm or ("1:1,1:1:nographs" if args.device == "cuda"
+                                                          else "1:1")).split(",")]
     hf_workers = [int(n) for n in args.hf_workers.split(",")]
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H%M%SZ")
     results = out / f"{stamp}_{'smoke' if args.smoke else 'bench'}.jsonl"
     meta = {"commit": args.commit, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "torch": torch.__version__, "date": stamp, "host_gpus": torch.cuda.device_count(), "mps": mps_running()}
 
-    # One archive per model (W2 and W3 share one) and build variant; deployments choose workers.
+    # One archive per model (W2 and W3 share one) and build option; deployments choose workers.
     deployments, builds = [], {}
     for model, w in {w.model: w for w in workloads.values()}.items():
         if "slm" in systems:
             for v in [v for v in variants if v.task in (None, w.task["task"])]:
-                topk = v.topk and w.task["task"] == "beam"  # a build option of beam archives
-                # the LM head in E4M3 is for beam tasks (a score task computes only its label rows)
                 precision = v.precision or w.task.get("precision", "bf16")
-                if precision == "fp8-mlp-lmhead" and w.task["task"] == "score":
-                    precision = "fp8-mlp"
-                mar = (f"slm_{model}_{v.attention}_b{v.batch}" + ("_topk" if topk else "")
-                       + PRECISION_SUFFIX.get(precision, ""))
+                mar = f"slm_{model}_b{v.batch}" + PRECISION_SUFFIX.get(precision, "")
                 task = {**w.task, "max_batch": v.batch, "precision": precision}
-                if mar not in builds and (argv := slm_build(mar, checkpoints[w.name], task, store, args.device,
-                                                            v.attention, work, "triton" if topk else "torch")):
+                if mar not in builds and (argv := slm_build(mar, checkpoints[w.name], task, store, args.device, work)):
                     builds[mar] = argv
-                # served from a copy of the archive configured as the archiver would for these workers
-                # and options (configured_copy): nographs, lazy, gN, tsbN, ctxN
-                served = mar + ("_nographs" if v.nographs else "") + ("_lazy" if v.lazy else "") + (
-                    f"_g{v.gpus}" if v.gpus > 1 else "") + (f"_tsb{v.ts_batch}" if v.ts_batch else "") + (
-                    f"_ctx{v.contexts}" if v.contexts else "")
-                d = Deployment("slm", f"{served}_x{v.workers}", f"{served}_x{v.workers}.mar", v.workers, v.attention,
-                               v.batch, cuda_graphs=not v.nographs, topk=topk, gpus=v.gpus, built=f"{mar}.mar",
-                               ts_batch=v.ts_batch, capture_at_load=not v.lazy and not v.nographs, precision=precision,
-                               contexts=v.contexts)
+                # served from a copy of the archive configured by the archiver for these workers and options
+                served = mar + ("_nographs" if v.nographs else "") + (f"_g{v.gpus}" if v.gpus > 1 else "")
+                d = Deployment("slm", f"{served}_x{v.workers}", f"{served}_x{v.workers}.mar", v.workers, v.batch,
+                               cuda_graphs=not v.nographs, gpus=v.gpus, built=f"{mar}.mar", precision=precision)
                 if d not in deployments:
                     deployments.append(d)
         if "hf" in systems and w.task.get("head", "labels") == "labels":  # the peer scores label tokens only
@@ -223,11 +214,11 @@ def main() -> None:
     if failed:
         log(f"SKIPPED (not built): {sorted(failed)}")
     for d in deployments:
-        if d.built and d.mar != d.built and (store / d.built).exists():  # rewritten: settings may change
-            configured_copy(store / d.built, store / d.mar, d.workers, d.cuda_graphs, d.gpus, d.ts_batch,
-                            lazy=d.cuda_graphs and not d.capture_at_load, contexts=d.contexts)
+        if d.built and d.mar != d.built and (store / d.built).exists():  # made again: settings may change
+            configure(store / d.built, store, deployment_options(d, args.device), d.mar.removesuffix(".mar"))
     deployments = [d for d in deployments if d.system != "slm" or (store / d.mar).exists()]
-    gates = {d.built: built_manifest(store / d.built).get("fp8_gate") for d in deployments if d.system == "slm"}
+    gates = {d.built: read_manifest(store / d.built).get("fp8_gate") for d in deployments if d.system == "slm"}
+    kernels = {d.built: read_manifest(store / d.built).get("kernels") for d in deployments if d.system == "slm"}
     for name, gate in gates.items():
         if gate:
             verdict = "passes" if gate_passes(gate) else "FAILS"
@@ -244,9 +235,8 @@ def main() -> None:
 
     def record(d: Deployment, workload: str, point, flops_per_request: float, fp8_per_request: float = 0.0) -> None:
         before, totals[d.name] = totals.get(d.name, {}), frontend_totals(server, d.name)
-        rec = {"system": d.system, "attention": d.attention, "batch": d.batch, "cuda_graphs": d.cuda_graphs,
-               "capture_at_load": d.capture_at_load, "topk": d.topk, "gpus": d.gpus, "worker_gpus": placed.get(d.name),
-               **served_settings(store / d.mar, d), "contexts": d.contexts,
+        rec = {"system": d.system, "kernels": kernels.get(d.built), "batch": d.batch, "cuda_graphs": d.cuda_graphs,
+               "gpus": d.gpus, "worker_gpus": placed.get(d.name), **served_settings(store / d.mar, d),
                "workload": workload, **frontend_means(before, totals[d.name]),
                "workers": d.workers, **dataclasses.asdict(point), **meta, "flops_per_request": flops_per_request,
                "precision": d.precision, "fp8_flops_per_request": fp8_per_request, "fp8_gate": gates.get(d.built),
@@ -258,7 +248,7 @@ def main() -> None:
         with results.open("a") as f:
             f.write(json.dumps(rec) + "\n")
         log(f"{d.name:34s} {workload} c={point.concurrency:3d}: {point.qps:8.1f} req/s mean {point.mean_ms:7.1f} ms "
-            f"p99 {point.p99_ms:7.1f} ms errors {point.errors} captured {point.captured}")
+            f"p99 {point.p99_ms:7.1f} ms errors {point.errors}")
 
     try:
         server.register("noop.mar")
@@ -279,9 +269,9 @@ def main() -> None:
                 log(f"{d.name}: {d.workers} worker(s) ready after {time.monotonic() - start:.0f} s, on GPUs {placed[d.name]}")
             except TimeoutError as e:
                 log(f"SKIPPED {e}")
-        model_log = server_dir / "logs" / "model_log.log"  # what each worker's capture at load took
+        model_log = server_dir / "logs" / "model_log.log"  # what each worker's load and capture took
         for line in model_log.read_text(errors="replace").splitlines() if model_log.exists() else []:
-            if "CUDA graphs at load" in line:
+            if "loaded a" in line or "GPU memory reserved" in line:
                 log(line[-220:])
         bodies = {w.name: TextMaker(tokenizers[w.name], seed=1).requests(w, args.requests) for w in workloads.values()}
         serving = {w.name: [d for d in deployments if d in ready and d.name.startswith(f"{d.system}_{w.model}_")]
@@ -290,10 +280,10 @@ def main() -> None:
         (out / f"{stamp}_served_check.json").write_text(json.dumps(checks, indent=1))
         silent: set[str] = set()  # deployments that stopped answering: skipped from then on
         for w in workloads.values():
-            spec = specs[w.name]
+            spec, task = specs[w.name], workload_task(w, tokenizers[w.name])
             encoded = [json.dumps(b).encode() for b in bodies[w.name]]
             for d in serving[w.name]:
-                per_body = [request_flops(w, spec, tokenizers[w.name], b, d.precision) for b in bodies[w.name]]
+                per_body = [request_flops(task, spec, b, d.precision) for b in bodies[w.name]]
                 url = f"{server.inference}/predictions/{d.name}"
                 for c in ([] if args.smoke else [c for c in levels if c <= max(2, 2 * d.batch * d.workers)]):
                     if d.name in silent:
@@ -349,53 +339,45 @@ class Deployment:
     name: str
     mar: str
     workers: int
-    attention: str | None = None  # slm: reference | triton
-    batch: int = 1  # slm score: requests per graph call
+    batch: int = 1  # slm: the task's max_batch, requests per graph call
     cuda_graphs: bool = True  # slm on CUDA: calls replay CUDA graphs
-    topk: bool = False  # slm beam: built with --topk triton (kernels/vocab_topk.py)
     gpus: int = 1  # workers spread over GPUs 0..gpus-1 (TorchServe deviceIds)
-    built: str = ""  # slm: the archive built, when `mar` is a configured copy of it
-    ts_batch: int | None = None  # slm: TorchServe's batchSize when below `batch` (the graph's max_batch)
-    capture_at_load: bool = False  # slm on CUDA: every CUDA-graph bucket captured at worker load (else on first call)
-    precision: str = "bf16"  # slm: the task's precision (bf16, fp8-mlp, fp8-mlp-lmhead, fp8-static; slm_core.fp8)
-    contexts: int = 0  # slm: request contexts per worker in TorchServe's async mode (0: sync mode)
+    built: str = ""  # slm: the archive built, when `mar` is a copy of it configured by the archiver
+    precision: str = "bf16"  # slm: the task's precision (bf16, fp8-static)
+
+
+def deployment_options(d: Deployment, device: str) -> ServingOptions:
+    """The archiver's serving options for a deployment: its workers on GPU 0 (or spread over its
+    GPUs), everything else the archiver's default."""
+    ids = tuple(range(d.gpus)) if device == "cuda" else ()
+    return ServingOptions(workers=d.workers, response_timeout_s=600, device_ids=ids, cuda_graphs=d.cuda_graphs)
 
 
 class Variant(NamedTuple):
-    """One --slm entry, ATTENTION:WORKERS:BATCH[:OPTION...]."""
+    """One --slm entry, WORKERS:BATCH[:OPTION...]."""
 
-    attention: str
     workers: int
     batch: int
     nographs: bool = False
-    lazy: bool = False
-    precision: str | None = None  # the workload's, or OPTION_PRECISION's (score archives take fp8-mlp for fp8head)
-    topk: bool = False
+    precision: str | None = None  # the workload's, or OPTION_PRECISION's
     gpus: int = 1
-    ts_batch: int | None = None  # TorchServe's batchSize, when below `batch`
-    contexts: int = 0  # async mode with N request contexts per worker
     task: str | None = None  # "score" or "beam": the variant serves only that task's archives
 
 
 def parse_variant(text: str) -> Variant:
-    attention, workers, batch, *options = text.split(":")
-    v = Variant(attention, int(workers), int(batch))
+    workers, batch, *options = text.split(":")
+    v = Variant(int(workers), int(batch))
     for o in options:
-        if o in ("nographs", "lazy", "topk"):
-            v = v._replace(**{o: True})
+        if o == "nographs":
+            v = v._replace(nographs=True)
         elif o in ("score", "beam"):
             v = v._replace(task=o)
         elif o in OPTION_PRECISION:
             v = v._replace(precision=OPTION_PRECISION[o])
         elif re.fullmatch(r"g[1-9][0-9]*", o):
             v = v._replace(gpus=int(o[1:]))
-        elif re.fullmatch(r"tsb[1-9][0-9]*", o) and int(o[3:]) <= v.batch:
-            v = v._replace(ts_batch=int(o[3:]))
-        elif re.fullmatch(r"ctx[1-9][0-9]*", o):
-            v = v._replace(contexts=int(o[3:]))
         else:
-            raise SystemExit(f"--slm {text}: unknown option {o!r} (nographs, lazy, topk, fp8, fp8head, fp8static, gN, tsbN "
-                             "with N <= BATCH, ctxN, score, beam)")
+            raise SystemExit(f"--slm {text}: unknown option {o!r} (fp8static, nographs, gN, score, beam)")
     return v
 
 
@@ -438,61 +420,13 @@ def frontend_means(before: dict[str, float], after: dict[str, float]) -> dict[st
     return {"ts_requests": n, "ts_frontend_ms": per[FRONTEND[1]], "ts_queue_ms": per[FRONTEND[2]]}
 
 
-def built_manifest(mar: Path) -> dict:
-    """The package manifest inside a built slm archive (slm_core.package)."""
-    import zipfile
-
-    with zipfile.ZipFile(mar) as z:
-        return json.loads(z.read("manifest.json"))
-
-
-def configured_copy(src: Path, dst: Path, workers: int = 1, cuda_graphs: bool = True, gpus: int = 1,
-                    ts_batch: int | None = None, lazy: bool = False, contexts: int = 0) -> None:
-    """A copy of the archive `src` configured as the archiver configures `workers` workers
-    (archiver.build.admission: TorchServe's batch and the queue for an 80 ms deadline, from the
-    calls timed at build; CPU builds keep their queue), spread over GPUs 0..gpus-1 if gpus > 1; options: the handler's CUDA
-    graphs off (cuda_graphs=False) or each captured on its first call, not at worker load (lazy);
-    TorchServe hands a worker at most `ts_batch` requests at once (the graph still takes up to its
-    max_batch); TorchServe's async mode with `contexts` request contexts per worker (archiver
-    --contexts)."""
-    import zipfile
-
-    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as zout:
-        manifest = json.loads(zin.read("manifest.json"))
-        max_batch = manifest["task"]["max_batch"]
-        call_ms = manifest.get("call_ms") or {str(max_batch): manifest["full_call_ms"]}  # older builds
-        batch, queue, *_ = admission(DEFAULT_DEADLINE_MS, call_ms, max_batch, workers, contexts, gpus, ts_batch)
-        for item in zin.infolist():
-            data = zin.read(item.filename)
-            if item.filename == "model-config.yaml":
-                config = yaml.safe_load(data)
-                check_batch_delay(config["maxBatchDelay"])  # an archive of 4058f07 may hold 0: 100 ms
-                if manifest.get("device") != "cuda":  # as the archiver: CPU builds (development) keep their queue
-                    queue = config["jobQueueSize"]
-                config.update(minWorkers=workers, maxWorkers=workers, batchSize=batch, jobQueueSize=queue)
-                handler = config.setdefault("handler", {})
-                if not cuda_graphs:
-                    handler["cuda_graphs"] = False
-                if lazy:
-                    handler["capture_at_load"] = False
-                if gpus > 1:
-                    config["deviceIds"] = list(range(gpus))
-                if contexts:
-                    config = serve_async(config, contexts)
-                data = yaml.safe_dump(config, sort_keys=False).encode()
-            zout.writestr(item, data)
-
-
 def served_settings(mar: Path, d: Deployment) -> dict:
-    """What a deployment's archive configures: TorchServe's batch and the queue (slm: its
-    model-config.yaml; others: the graph batch, unknown queue)."""
-    import zipfile
-
+    """What a deployment's archive configures: TorchServe's batch and the queue (slm: its serving
+    spec; others: the graph batch, unknown queue)."""
     if d.system != "slm":
         return {"ts_batch": d.batch, "queue": None, "batch_delay_ms": None}
-    with zipfile.ZipFile(mar) as z:
-        config = yaml.safe_load(z.read("model-config.yaml"))
-    return {"ts_batch": config["batchSize"], "queue": served_queue(config), "batch_delay_ms": config["maxBatchDelay"]}
+    serving = read_serving(mar)
+    return {"ts_batch": serving.batch, "queue": serving.queue, "batch_delay_ms": serving.batch_delay_ms}
 
 
 def served_check(server: TorchServe, workload: str, bodies: list[dict], deployments: list[Deployment]) -> dict:
@@ -549,7 +483,7 @@ def plan(args, work: Path):
     made with and its architecture (for FLOPs)."""
     if args.smoke:
         from handlers.demo import TASKS, smollm2
-        from slm_core.checkpoint import load_checkpoint
+        from slm_core.build.checkpoint import load_checkpoint
 
         gguf = Path(smollm2())
         ckpt = load_checkpoint(gguf)

@@ -1,4 +1,4 @@
-"""Workloads W1-W3 of DESIGN.md: architectures (random weights) and request generators.
+"""Workloads W1-W3: architectures (random weights) and request generators.
 
 Requests are real-looking text: words drawn Zipf-like from the tokenizer's own whole-word tokens,
 so that each text's token count under that tokenizer is exactly the length drawn from the
@@ -14,7 +14,7 @@ QWEN3_06B = dict(model_type="qwen3", hidden_size=1024, num_hidden_layers=28, num
                  num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936,
                  tie_word_embeddings=True, rope_theta=1_000_000.0, rms_norm_eps=1e-6, max_position_embeddings=40960)
 # W1c: the same model fine-tuned as a classifier (transformers Qwen3ForSequenceClassification: a
-# `score` head [2, hidden] on the last token, no LM head) and served with head: classifier (issue 10)
+# `score` head [2, hidden] on the last token, no LM head) and served with head: classifier
 QWEN3_06B_CLS = dict(QWEN3_06B, num_labels=2, id2label={0: "irrelevant", 1: "relevant"})
 QWEN25_05B = dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
                   num_key_value_heads=2, intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,

@@ -39,7 +39,7 @@ mkdir -p "$MODEL_STORE"
 read -r -a extra_args <<<"$ARCHIVER_ARGS"
 
 # AOTInductor packages segfault at load when a libstdc++ older than the compiler's is loaded first
-# (FACTS.md, H200); preloading the compiler's own is harmless where that cannot happen. Both the
+# (seen on the H200); preloading the compiler's own is harmless where that cannot happen. Both the
 # build (it checks the compiled graph) and TorchServe's workers load packages.
 if [[ -z ${LD_PRELOAD:-} ]] && command -v g++ >/dev/null; then
   libstdcxx=$(g++ -print-file-name=libstdc++.so.6)

@@ -1,7 +1,7 @@
 """Pure-PyTorch references of the per-layer steps between the GEMMs: RMSNorm; splitting the fused
 QKV rows into heads, RMS-normalising q and k per head (Qwen3's QK-norm) and rotating them (RoPE);
-SiLU(gate) * up, and that quantised to E4M3 per row or with one static scale (the FP8 MLPs'
-down-projection input). They
+SiLU(gate) * up, and that quantised to E4M3 with one static scale (fp8-static's down-projection
+input). They
 define the interfaces kernels/qkv_rope.py and kernels/silu_mul.py implement, and are the path the
 reference graphs run. The arithmetic is transformers': RMSNorm normalises in
 FP32, rounds to the model dtype and scales by the weight in the model dtype; RoPE is
@@ -49,19 +49,6 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
-
-
-def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., K] -> (E4M3 [..., K], FP32 scale [...]) with x ~ q * scale: each row's largest
-    magnitude maps to E4M3's largest finite value (per-token dynamic quantisation)."""
-    xf = x.float()
-    scale = xf.abs().amax(-1).clamp_min(1e-12) / E4M3_MAX
-    return (xf / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
-
-
-def silu_mul_quant_ref(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """silu_mul_ref then quantize_rows_ref: the FP8 down projection's input from [T, 2I]."""
-    return quantize_rows_ref(silu_mul_ref(gate_up))
 
 
 def quantize_static_ref(x: torch.Tensor, scale: "torch.Tensor | float") -> torch.Tensor:

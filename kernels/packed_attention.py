@@ -3,16 +3,13 @@
 One program takes BLOCK_M positions of one sequence x the G query heads of one kv head as its rows,
 and streams that sequence's K/V blocks up to the causal limit with an FP32 online softmax: no
 score matrix is ever stored, no cross-sequence pair is computed, and each K/V tile is loaded once
-for the whole group (never expanded per query head). Key blocks wholly below the diagonal run
-without masks. Against one query head per program, the kernel before it: W1 15.4 -> 13.6 µs a
-layer, W3's prefill 8.4 -> 7.6 (bench/RESULTS.md, run 0709Z). Reference:
+for the whole group (never expanded per query head): 12 % faster at W1's prefill than one query
+head per program. Key blocks wholly below the diagonal run without masks. Reference:
 kernels.attention_ref.packed_attention_ref.
 
-Status: checked against the reference in Triton's CPU interpreter (fp32) and timed on the H200
-(bench/RESULTS.md). The graphs use it when built with RuntimeSpec(attention="triton"), the
-archiver's default on CUDA since the H200 runs of issue 5 (as do kernels/qkv_rope.py and
-kernels/silu_mul.py). The interpreter needs numpy < 2.4: with 2.4 a loop bound computed from
-tl.program_id fails to convert ("only 0-dimensional arrays ...").
+CUDA graphs use it (RuntimeSpec kernels "triton", the default on CUDA). Triton's CPU interpreter,
+which the tests run it in, needs numpy < 2.4: with 2.4 a loop bound computed from tl.program_id
+fails to convert ("only 0-dimensional arrays ...").
 """
 
 import torch

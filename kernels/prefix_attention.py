@@ -4,11 +4,9 @@ The W beams of each of B prompts attend over their prompt's K/V, stored once in 
 [T, Hkv, D] (prompt b at rows cu[b]..cu[b+1]-1), plus their own suffix ([B*W, S, Hkv, D]) in one
 FP32 online softmax, without concatenating anything. One program takes BLOCK_W beams of one
 prompt × the G query heads of one kv head as its M rows, so each prompt K/V tile is read once per
-group of beams (the Hydragen / cascade-attention idea). With splits > 1 a prompt's keys are also
-split between programs, whose states a second kernel merges (flash-decoding). Reference:
-kernels.attention_ref.prefix_suffix_attention_ref.
-
-Status: as kernels/packed_attention.py; the split path only in the kernel bench so far.
+group of beams (the Hydragen / cascade-attention idea). Splitting a prompt's keys between
+programs (flash-decoding) measured no faster at W2's and W3's decode shapes on the H200.
+Reference: kernels.attention_ref.prefix_suffix_attention_ref.
 """
 
 import torch
@@ -103,81 +101,17 @@ def _prefix_attention_kernel(
              out.to(o_ptr.dtype.element_ty), mask=ok[:, None])
 
 
-@triton.jit
-def _prefix_split_kernel(
-    q_ptr, kp_ptr, vp_ptr, m_ptr, l_ptr, acc_ptr, cu_ptr, scale, width, heads, rows_total,
-    stride_qw, stride_qh, stride_kpt, stride_kph, stride_vpt, stride_vph,
-    SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """Flash-decoding's first half: one program per (rows, split of the prompt's keys); its running
-    max, normaliser and unnormalised output go to FP32 [SPLITS, rows, heads(, D)] buffers. A
-    split past the prompt's end writes an empty state (-inf, 0, 0)."""
-    w_block, kv_head, pid = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    prompt, split = pid // SPLITS, pid % SPLITS
-    start = tl.load(cu_ptr + prompt)
-    prefix_len = tl.load(cu_ptr + prompt + 1) - start
-    chunk = tl.cdiv(tl.cdiv(prefix_len, SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * chunk
-    hi = tl.minimum(lo + chunk, prefix_len)
-    beam, head, ok = _rows(w_block, kv_head, prompt, width, GROUP, GROUP_PAD, BLOCK_W)
-    q = _queries(q_ptr, beam, head, ok, stride_qw, stride_qh, HEAD_DIM)
-    m_i, l_i, acc = _prefix_blocks(q, kp_ptr, vp_ptr, start, lo, hi, kv_head, stride_kpt, stride_kph,
-                                   stride_vpt, stride_vph, scale, BLOCK_W * GROUP_PAD, HEAD_DIM, BLOCK_N)
-    dims = tl.arange(0, HEAD_DIM)
-    at = (split * rows_total + beam) * heads + head  # [SPLITS, rows, heads]
-    tl.store(m_ptr + at, m_i, mask=ok)
-    tl.store(l_ptr + at, l_i, mask=ok)
-    tl.store(acc_ptr + at[:, None] * HEAD_DIM + dims[None, :], acc, mask=ok[:, None])
-
-
-@triton.jit
-def _prefix_combine_kernel(
-    q_ptr, m_ptr, l_ptr, acc_ptr, ks_ptr, vs_ptr, o_ptr, scale, width, heads, rows_total,
-    stride_qw, stride_qh, stride_ksw, stride_kss, stride_ksh, stride_vsw, stride_vss, stride_vsh, stride_ow, stride_oh,
-    SPLITS: tl.constexpr, SUFFIX: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_W: tl.constexpr,
-):
-    """Flash-decoding's second half: the splits' states merged (an empty split, or an empty
-    prompt, merges as nothing), then the suffixes, then the output."""
-    w_block, kv_head, prompt = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    beam, head, ok = _rows(w_block, kv_head, prompt, width, GROUP, GROUP_PAD, BLOCK_W)
-    dims = tl.arange(0, HEAD_DIM)
-    m_i = tl.full([BLOCK_W * GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_W * GROUP_PAD], tl.float32)
-    acc = tl.zeros([BLOCK_W * GROUP_PAD, HEAD_DIM], tl.float32)
-    for split in range(SPLITS):
-        at = (split * rows_total + beam) * heads + head
-        m_s = tl.load(m_ptr + at, mask=ok, other=float("-inf"))
-        m_new = tl.maximum(m_i, m_s)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # both empty: no -inf - -inf
-        alpha, beta = tl.exp(m_i - m_safe), tl.exp(m_s - m_safe)
-        l_i = l_i * alpha + tl.load(l_ptr + at, mask=ok, other=0.0) * beta
-        acc = acc * alpha[:, None] + tl.load(acc_ptr + at[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None],
-                                             other=0.0) * beta[:, None]
-        m_i = m_new
-    q = _queries(q_ptr, beam, head, ok, stride_qw, stride_qh, HEAD_DIM)
-    m_i, l_i, acc = _suffix_keys(q, ks_ptr, vs_ptr, beam, ok, kv_head, stride_ksw, stride_kss, stride_ksh, stride_vsw,
-                                 stride_vss, stride_vsh, scale, m_i, l_i, acc, SUFFIX, HEAD_DIM)
-    out = acc / l_i[:, None]
-    tl.store(o_ptr + beam[:, None] * stride_ow + head[:, None] * stride_oh + dims[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=ok[:, None])
-
-
 @triton_op("slm::prefix_suffix_attention", mutates_args={})  # exports into AOTInductor graphs
 def prefix_suffix_attention(
     q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor, k_suffix: torch.Tensor, v_suffix: torch.Tensor,
     scale: float, prefix_cu: torch.Tensor, block_w: int = 0, block_n: int = 64, num_warps: int = 4,
-    num_stages: int = 3, splits: int = 1,
+    num_stages: int = 3,
 ) -> torch.Tensor:
     """q: [B*W, Hq, D]; k/v_prefix: [T, Hkv, D] with prompt b at rows prefix_cu[b]..prefix_cu[b+1]-1;
     k/v_suffix: [B*W, S, Hkv, D], S >= 0; prefix_cu: [B+1] int32. Returns [B*W, Hq, D]. block_w: beams per
     program; 0 picks 64 M rows (beams x query heads per kv head, padded to a power of two), the
-    fastest on the H200 at W=100 and 400 (bench/RESULTS.md: 2.6-3x over 128 rows), or fewer, at
-    least 16, when a prompt has fewer beams (one row per sequence: a prefill's last layer).
-    splits > 1: flash-decoding, each prompt's keys split between that many programs, whose states
-    a second kernel merges before the suffixes (more programs for long prompts: W3 runs 26 for one
-    prompt on 132 SMs; for the kernel bench, not yet in the graphs)."""
+    fastest on the H200 at W=100 and 400 (2.6-3x over 128 rows), or fewer, at least 16, when a
+    prompt has fewer beams (one row per sequence: a prefill's last layer)."""
     rows, hq, d = q.shape
     hkv = k_prefix.shape[1]
     s = k_suffix.shape[1]
@@ -187,8 +121,6 @@ def prefix_suffix_attention(
                          f"prefix {tuple(k_prefix.shape)}, suffix {tuple(k_suffix.shape)}, {prompts} prompts")
     if any(t.stride(-1) != 1 for t in (q, k_prefix, v_prefix, k_suffix, v_suffix)):
         raise ValueError("prefix_suffix_attention: the head dimension must be contiguous")
-    if splits < 1:
-        raise ValueError(f"prefix_suffix_attention: splits={splits}, at least 1")
     width = rows // prompts  # the beams of one prompt (rows are a whole number of prompts' beams)
     group_pad = triton.next_power_of_2(hq // hkv)
     rows_per_program = min(64, max(16, triton.next_power_of_2(width * group_pad)))  # tl.dot takes M >= 16
@@ -199,20 +131,6 @@ def prefix_suffix_attention(
     # CUDA tensor's pointer is null, which a kernel launch may refuse; the prefix's stands in.
     ks, vs = (k_prefix, v_prefix) if s == 0 else (k_suffix, v_suffix)
     group = dict(GROUP=hq // hkv, GROUP_PAD=group_pad, HEAD_DIM=d, BLOCK_W=block_w)
-    if splits > 1:
-        m, l = (q.new_empty(splits, rows, hq, dtype=torch.float32) for _ in range(2))
-        acc = q.new_empty(splits, rows, hq, d, dtype=torch.float32)
-        wrap_triton(_prefix_split_kernel)[(grid[0], hkv, prompts * splits)](
-            q, k_prefix, v_prefix, m, l, acc, prefix_cu, scale, width, hq, rows,
-            q.stride(0), q.stride(1), k_prefix.stride(0), k_prefix.stride(1), v_prefix.stride(0), v_prefix.stride(1),
-            SPLITS=splits, BLOCK_N=block_n, **group, **launch_options(num_warps, num_stages),
-        )
-        wrap_triton(_prefix_combine_kernel)[grid](
-            q, m, l, acc, ks, vs, out, scale, width, hq, rows, q.stride(0), q.stride(1),
-            k_suffix.stride(0), k_suffix.stride(1), k_suffix.stride(2), v_suffix.stride(0), v_suffix.stride(1),
-            v_suffix.stride(2), out.stride(0), out.stride(1), SPLITS=splits, SUFFIX=s, **group,
-        )
-        return out
     wrap_triton(_prefix_attention_kernel)[grid](
         q, k_prefix, v_prefix, ks, vs, out, prefix_cu, scale, width,
         q.stride(0), q.stride(1), k_prefix.stride(0), k_prefix.stride(1), v_prefix.stride(0), v_prefix.stride(1),

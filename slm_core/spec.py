@@ -1,4 +1,5 @@
-"""Frozen, typed specs: model architecture, task, runtime. Parsed once; unknown keys are errors."""
+"""Frozen, typed specs: model architecture, task YAML, runtime. Parsed once; unknown keys are
+errors. What a task kind means by its keys is the task's own (slm_core.tasks)."""
 
 import dataclasses
 import difflib
@@ -13,9 +14,8 @@ import yaml
 from slm_core.errors import SpecError
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
-# precision -> the model's dtype; the fp8 precisions keep bf16 outside their E4M3 linears (slm_core.fp8)
-PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp8-mlp": "bfloat16", "fp8-mlp-lmhead": "bfloat16",
-              "fp8-static": "bfloat16"}
+# precision -> the model's dtype; fp8-static keeps bf16 outside its E4M3 linears (slm_core.build.fp8)
+PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp8-static": "bfloat16"}
 
 
 @dataclass(frozen=True)
@@ -128,10 +128,11 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class TaskSpec:
-    """The task YAML of DESIGN.md. Bounds are fixed at build time; requests beyond them are refused."""
+    """The task YAML (README.md, The task YAML). Bounds are fixed at build time; requests beyond
+    them are refused. Keys a kind does not use keep their defaults."""
 
-    task: Literal["score", "beam"]
-    prompt_template: str | None = None  # None: "{text}" (score) or "{prompt}" (beam)
+    task: str  # the kind: score | beam (slm_core.tasks)
+    prompt_template: str | None = None  # the kind's placeholder ("{text}", "{prompt}") is replaced
     labels: tuple[str, ...] = ()
     max_texts: int = 32
     max_text_tokens: int = 512
@@ -140,11 +141,10 @@ class TaskSpec:
     max_prompt_tokens: int = 512
     stop: tuple[str, ...] = ()
     precision: str = "bf16"
-    max_batch: int = 1  # requests packed into one graph call at most (archiver.build.worker_batch splits it)
-    # score tasks: where a text's row comes from, at its last token. "labels": the LM head's rows of
-    # the label tokens; "classifier": the checkpoint's sequence-classification head (`score`), its
-    # label names from config.json's id2label unless `labels` names them. output: "probs"
-    # (softmax over the row) or "logits" (the row itself).
+    max_batch: int | None = None  # requests in one graph call at most; None: the kind's default for the device
+    # score tasks: where a text's row comes from, at its last token: "labels", the LM head's rows
+    # of the label tokens; "classifier", the checkpoint's sequence-classification head. output:
+    # "probs" (softmax over the row) or "logits" (the row itself).
     head: str = "labels"
     output: str = "probs"
     # Special tokens spelled in a request's text are tokenized as plain text unless this is true
@@ -152,77 +152,24 @@ class TaskSpec:
     allow_special_tokens: bool = False
 
     def __post_init__(self):
-        if self.task not in ("score", "beam"):
-            raise SpecError(f"task must be 'score' or 'beam', got {self.task!r}")
-        for name in ("max_texts", "max_text_tokens", "beam_width", "new_tokens", "max_prompt_tokens", "max_batch"):
+        if not isinstance(self.task, str):
+            raise SpecError(f"task key 'task' must be a string, got {self.task!r}")
+        for name in ("max_texts", "max_text_tokens", "beam_width", "new_tokens", "max_prompt_tokens"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise SpecError(f"task key {name!r} must be a positive integer, got {value!r}")
+        if self.max_batch is not None and (type(self.max_batch) is not int or self.max_batch < 1):
+            raise SpecError(f"task key 'max_batch' must be a positive integer, got {self.max_batch!r}")
         if self.precision not in PRECISIONS:
             raise SpecError(f"task key 'precision' must be one of {sorted(PRECISIONS)}, got {self.precision!r}")
-        if not isinstance(self.template, str) or self.placeholder not in self.template:
-            raise SpecError(f"task key 'prompt_template' must be a string containing {self.placeholder!r}")
+        if self.prompt_template is not None and not isinstance(self.prompt_template, str):
+            raise SpecError(f"task key 'prompt_template' must be a string, got {self.prompt_template!r}")
         for name in ("labels", "stop"):
             items = getattr(self, name)
             if not all(isinstance(s, str) and s for s in items):
                 raise SpecError(f"task key {name!r} must be a list of non-empty strings, got {list(items)!r}")
         if type(self.allow_special_tokens) is not bool:
             raise SpecError(f"task key 'allow_special_tokens' must be true or false, got {self.allow_special_tokens!r}")
-        if self.head not in ("labels", "classifier"):
-            raise SpecError(f"task key 'head' must be 'labels' or 'classifier', got {self.head!r}")
-        if self.output not in ("probs", "logits"):
-            raise SpecError(f"task key 'output' must be 'probs' or 'logits', got {self.output!r}")
-        if self.task == "beam" and (self.head, self.output) != ("labels", "probs"):
-            raise SpecError("task keys 'head' and 'output' are for score tasks")
-        if self.task == "score" and self.head == "labels" and len(self.labels) < 2:
-            raise SpecError("a score task needs at least two 'labels'")
-        if self.task == "score" and self.precision == "fp8-mlp-lmhead":
-            raise SpecError("precision 'fp8-mlp-lmhead' is for beam tasks: a score task computes only its labels' "
-                            "rows of the LM head (use 'fp8-mlp')")
-
-    @property
-    def placeholder(self) -> str:
-        return "{text}" if self.task == "score" else "{prompt}"
-
-    @property
-    def template(self) -> str:
-        return self.prompt_template if self.prompt_template is not None else self.placeholder
-
-    @property
-    def request_sequences(self) -> int:
-        """Packed sequences one request may bring: max_texts texts (score) or one prompt (beam)."""
-        return self.max_texts if self.task == "score" else 1
-
-    @property
-    def sequence_tokens(self) -> int:
-        """The token bound of one packed input sequence: a text (score) or a prompt (beam)."""
-        return self.max_text_tokens if self.task == "score" else self.max_prompt_tokens
-
-    @property
-    def call_texts(self) -> int:
-        """Sequences one graph call holds: max_batch requests of request_sequences each."""
-        return self.max_batch * self.request_sequences
-
-    @property
-    def call_tokens(self) -> int:
-        """Packed tokens one graph call holds: call_texts sequences at their token bound."""
-        return self.call_texts * self.sequence_tokens
-
-    @property
-    def graph_texts(self) -> int:
-        """Sequences the compiled graph accepts: a full call plus room for the padding sequences of
-        a CUDA-graph bucket (slm_core.replay: up to 1/16 of the tokens, plus one)."""
-        return self.call_texts + self.call_texts // 16 + 2
-
-    @property
-    def graph_tokens(self) -> int:
-        """Packed tokens the compiled graph accepts: a full call plus a bucket's padding."""
-        return 2 * self.call_tokens + 64
-
-    @property
-    def max_seq_tokens(self) -> int:
-        """The longest sequence one graph call sees (positions needed by RoPE)."""
-        return self.max_text_tokens if self.task == "score" else self.max_prompt_tokens + self.new_tokens
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "TaskSpec":
@@ -254,31 +201,25 @@ class TaskSpec:
 
 @dataclass(frozen=True)
 class RuntimeSpec:
-    """Where and how the engine runs (the request-path settings of later issues join here)."""
+    """Where the engine runs, and with which kernels: "triton" (kernels/, compiled for CUDA; the
+    CPU interpreter in tests) or "reference" (their PyTorch references: CPU, and test oracles).
+    Left out, the device decides: Triton on CUDA, the references on CPU, where AOTInductor
+    cannot compile a graph holding a Triton kernel. Fixed when a graph is built."""
 
     device: str = "cpu"
-    # "reference": kernels/attention_ref.py (any device); "triton": the Triton kernels (CUDA, or the
-    # CPU interpreter in tests). Fixed when the graph is built, so it is baked into an export.
-    attention: str = "reference"
-    # The beam step's vocabulary top-k + logsumexp: "torch" (torch.topk, torch.logsumexp) or
-    # "triton" (kernels/vocab_topk.py, a radix select). Baked into an export like `attention`.
-    topk: str = "torch"
+    kernels: str | None = None
 
     def __post_init__(self):
-        if self.attention not in ("reference", "triton"):
-            raise SpecError(f"runtime attention must be 'reference' or 'triton', got {self.attention!r}")
-        if self.topk not in ("torch", "triton"):
-            raise SpecError(f"runtime topk must be 'torch' or 'triton', got {self.topk!r}")
         try:
             dev = torch.device(self.device)
         except RuntimeError as e:
             raise SpecError(f"runtime device {self.device!r} is not a device: {e}") from None
         if dev.type not in ("cpu", "cuda"):
             raise SpecError(f"runtime device {self.device!r}: only cpu and cuda are supported")
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "RuntimeSpec":
-        return cls(**_known_keys(cls, data, "runtime spec"))
+        if self.kernels is None:
+            object.__setattr__(self, "kernels", "triton" if dev.type == "cuda" else "reference")
+        if self.kernels not in ("reference", "triton"):
+            raise SpecError(f"runtime kernels must be 'reference' or 'triton', got {self.kernels!r}")
 
 
 def _known_keys(cls, data: Mapping[str, Any], what: str) -> dict[str, Any]:

@@ -1,0 +1,29 @@
+"""The Python API: a checkpoint and a task, or a built package, -> an engine to ask.
+
+    eng = Engine.from_checkpoint("ckpt-dir-or.gguf", task="task.yaml", device="cpu")
+    eng.score(["text a", "text b"])  # [[p_label0, p_label1, ...], ...]
+    eng.beam("a prompt")             # [{"text", "token_ids", "score"}, ...] best first
+    eng = Engine.from_package("unpacked-archive-dir")   # the compiled graph, as a worker serves it
+"""
+
+from pathlib import Path
+from typing import Any, Mapping
+
+from slm_core.build.checkpoint import load_checkpoint
+from slm_core.build.eager import eager_engine
+from slm_core.serve import engine
+from slm_core.serve.loader import load_package
+from slm_core.spec import RuntimeSpec, TaskSpec
+
+
+class Engine(engine.Engine):
+    @classmethod
+    def from_checkpoint(cls, path: "str | Path", task: "str | Path | Mapping[str, Any] | TaskSpec",
+                        device: str = "cpu") -> "Engine":
+        """The task's eager graph over the checkpoint, on `device` with its kernels (Triton on CUDA)."""
+        return eager_engine(load_checkpoint(path), TaskSpec.load(task), RuntimeSpec(device), cls)
+
+    @classmethod
+    def from_package(cls, model_dir: "str | Path", gpu_id: int | None = None) -> "Engine":
+        """A built package (an unpacked archive), loaded as a worker loads it."""
+        return load_package(model_dir, gpu_id, engine=cls)

@@ -1,0 +1,105 @@
+"""What the build measures before it writes a package: the compiled graph against the eager one,
+an FP8 build against the same task in bf16 (its accuracy gate), and the time of calls at the
+task's bounds (which the admission rule plans with). Each judges answers through the task
+(Task.difference, check, gate)."""
+
+from dataclasses import dataclass
+from typing import Any
+
+from slm_core.errors import SpecError
+from slm_core.serve.engine import Engine
+from slm_core.tasks import Difference, Task
+
+CHECK_TEXTS = [
+    "cheap flights from berlin to rome in may",
+    "is this review positive? the battery died after two days",
+    "weather",
+    "best running shoes for flat feet under 100 dollars",
+    "how do i reset my router password",
+]
+# The FP8 accuracy gate's evaluation set: the check texts and more of the kind.
+EVAL_TEXTS = CHECK_TEXTS + [
+    "wireless noise cancelling headphones with long battery life",
+    "the delivery was late and the package was damaged",
+    "vegetarian lasagna recipe without ricotta",
+    "what time does the pharmacy on main street close",
+    "great hotel, friendly staff, but the breakfast was cold",
+    "python list comprehension with two loops",
+    "cheap used cars near me with low mileage",
+    "is it safe to travel to iceland in winter",
+    "return policy for items bought on sale",
+    "kids bicycle 20 inch with gears",
+    "symptoms of a cold versus the flu",
+]
+GATE_REQUESTS = 8  # evaluation requests at most (a beam prompt's call is the costly one)
+
+
+@dataclass(frozen=True)
+class GateThresholds:
+    """The FP8 accuracy gate against bf16 (archiver --fp8-max-diff, --fp8-min-shared)."""
+
+    max_diff: float = 0.05  # score: the largest |difference| of a probability
+    min_shared: float = 0.6  # beam: the least mean share of bf16's candidates kept
+
+
+def fitting(task: Task, texts: list[str]) -> list[str]:
+    """The texts that fit the task's token bound with its template."""
+    fit = [t for t, ids in zip(texts, task.tokenizer.encode(texts)) if len(ids) <= task.sequence_tokens]
+    if not fit:
+        raise SpecError("no check text fits the task bounds: does the template alone exceed them?")
+    return fit
+
+
+def compare(reference: Engine, candidate: Engine, batches: list[list[Any]]) -> list[Difference]:
+    """Each request of each batch: its answer from `reference` alone against its answer from
+    `candidate` in a call with the rest of its batch."""
+    task = reference.task
+    differences = []
+    for batch in batches:
+        for value, got in zip(batch, candidate.run(batch)):
+            (want,) = reference.run([value])
+            differences.append(task.difference(want.answer, got.answer))
+    return differences
+
+
+def check_compiled(eager: Engine, compiled: Engine) -> dict[str, Any]:
+    """The compiled engine against the eager one on the check texts, each request alone, then a
+    full call of max_batch requests; SpecError past the task's tolerance."""
+    task = eager.task
+    samples = fitting(task, CHECK_TEXTS)
+    batches = [[task.request_of(texts)] for texts in (samples[:1], samples, samples[1:], samples[2:]) if texts]
+    if task.max_batch > 1:
+        batches.append([task.request_of(samples[i % len(samples):]) for i in range(task.max_batch)])
+    check = task.check(compare(eager, compiled, batches), task.spec.precision)
+    if not check.pop("passes"):
+        raise SpecError(f"the compiled graph disagrees with the eager graph: {check}")
+    return check
+
+
+def fp8_gate(reference: Engine, quantized: Engine, thresholds: GateThresholds) -> dict[str, Any]:
+    """The FP8 engine against the task in bf16 (`reference`, eager) on EVAL_TEXTS, a request's
+    worth of texts at a time; SpecError when it fails the thresholds."""
+    task = reference.task
+    samples, k = fitting(task, EVAL_TEXTS), task.request_sequences
+    values = [task.request_of(samples[i : i + k]) for i in range(0, len(samples), k)][:GATE_REQUESTS]
+    gate = task.gate(compare(reference, quantized, [[v] for v in values]), thresholds.max_diff, thresholds.min_shared)
+    if not gate.pop("passes"):
+        raise SpecError(f"the {quantized.task.spec.precision} build fails its accuracy gate against bf16: {gate} "
+                        "(thresholds: archiver --fp8-max-diff, --fp8-min-shared)")
+    return gate
+
+
+def time_calls(engine: Engine, repeat: int = 5) -> dict[str, float]:
+    """Milliseconds of one graph call at the task's bounds, copy-in to results on the host, per
+    number of requests in the call (1, 2, 4, ... and max_batch; JSON keys), each request at its
+    sequence and token bounds; the median of `repeat` after one warm-up. The slowest call a worker
+    makes with that many requests, which admission plans with (slm_core.serving)."""
+    task = engine.task
+
+    def median(requests: int) -> float:
+        n = requests * task.request_sequences
+        times = [engine.synthetic_call(n, n * task.sequence_tokens) for _ in range(repeat + 1)]
+        return sorted(times[1:])[repeat // 2]
+
+    batches = sorted({1 << i for i in range(task.max_batch.bit_length())} | {task.max_batch})
+    return {str(b): median(b) for b in batches}

@@ -1,0 +1,38 @@
+"""torch.export of the request graphs with dynamic shapes inside the task bounds, and their
+AOTInductor compile."""
+
+import torch
+from torch.export import Dim, ExportedProgram
+from torch.fx.experimental import _config as fx_config
+
+from slm_core.tasks import Task
+
+
+def example_inputs(device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
+    """Inputs to trace with: sequences of 3 and 5 tokens. Dynamic dims get sizes >= 2 (0/1 would
+    specialise to constants)."""
+    ids = torch.arange(8, dtype=torch.int32, device=device) + 1
+    return ids, torch.tensor([0, 3, 8], dtype=torch.int32, device=device)
+
+
+def dynamic_shapes(task: Task) -> tuple[dict[int, Dim], ...]:
+    """Up to the task's graph bounds, which leave room for CUDA-graph padding (slm_core.serve.replay): so
+    even a one-prompt beam task takes a dynamic number of sequences."""
+    return ({0: Dim("tokens", min=1, max=task.graph_tokens)},
+            {0: Dim("sequences_plus_one", min=2, max=task.graph_texts + 1)})
+
+
+def export_graph(graph: torch.nn.Module, task: Task) -> ExportedProgram:
+    device = next(graph.parameters()).device
+    # Size-oblivious: reason about a dynamic dim as "any size in range" instead of guarding on 1
+    # (one text gives a cu_seqlens[1:] of size 1, which would otherwise specialise).
+    with torch.inference_mode(False), torch.no_grad(), fx_config.patch(backed_size_oblivious=True):
+        return torch.export.export(graph, example_inputs(device), dynamic_shapes=dynamic_shapes(task), strict=False)
+
+
+def compile_package(program: ExportedProgram, path: str) -> str:
+    """AOTInductor package of an exported graph at `path`. Compiled size-obliviously too: otherwise
+    Inductor's own tracing guards on a dynamic size being 1 and, when the example is not 1,
+    silently specialises it (found with the beam graph: a batch of 2 prompts became the only size)."""
+    with fx_config.patch(backed_size_oblivious=True):
+        return torch._inductor.aoti_compile_and_package(program, package_path=path)

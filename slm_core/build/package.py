@@ -1,0 +1,93 @@
+"""Build a task package: eager graph -> torch.export -> AOTInductor -> checks -> call timings ->
+manifest (slm_core.manifest). The graph is checked the way it serves: loaded by the serve-time
+loader, on CUDA replayed from CUDA graphs too."""
+
+import dataclasses
+import datetime
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from slm_core import manifest as package
+from slm_core.build.checkpoint import Checkpoint
+from slm_core.build.checks import GateThresholds, check_compiled, fp8_gate, time_calls
+from slm_core.build.eager import build_graph, prepare
+from slm_core.build.export import compile_package, export_graph
+from slm_core.errors import SpecError
+from slm_core.serve.engine import Engine
+from slm_core.serve.loader import load_graph, serving_engine
+from slm_core.spec import PRECISIONS, RuntimeSpec, TaskSpec
+
+
+def versions(device: torch.device) -> dict[str, Any]:
+    out = {"torch": torch.__version__, "python": platform.python_version()}
+    if device.type == "cuda":
+        import triton
+
+        out.update(triton=triton.__version__, cuda=torch.version.cuda, gpu=torch.cuda.get_device_name(device),
+                   capability=list(torch.cuda.get_device_capability(device)))
+    return out
+
+
+def build_package(ckpt: Checkpoint, spec: TaskSpec, runtime: RuntimeSpec, out_dir: Path,
+                  progress: Callable[[str], None] = print, gate: GateThresholds = GateThresholds()) -> dict[str, Any]:
+    """Compile the task for the runtime's device into out_dir; returns the manifest. Raises
+    SpecError when the compiled graph disagrees with the eager one, or an fp8 build fails its
+    accuracy gate against bf16."""
+    dev = torch.device(runtime.device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if dev.type != "cuda" and runtime.kernels == "triton":
+        raise SpecError("the Triton kernels compile for CUDA only: CPU builds use the PyTorch references")
+    task = prepare(ckpt, spec, runtime)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def step(what: str, fn):
+        start = time.perf_counter()
+        progress(f"{what} ...")
+        result = fn()
+        progress(f"{what}: done in {time.perf_counter() - start:.1f} s")
+        return result
+
+    graph = step("building the eager graph", lambda: build_graph(ckpt, task, runtime))
+    program = step("torch.export", lambda: export_graph(graph, task))
+    path = step(f"AOTInductor compile for {dev.type} (on 2 CPU cores: ~1 min for a 30-layer score graph, "
+                "~4 for a beam graph)", lambda: compile_package(program, str(out_dir / package.GRAPH)))
+    eager = Engine(graph, task, dev)
+    compiled = Engine(load_graph(path), task, dev)
+    check = step("checking the compiled graph against eager", lambda: check_compiled(eager, compiled))
+    if dev.type == "cuda":  # the way it serves: replayed from CUDA graphs, padded to size buckets
+        del compiled
+        compiled = step("capturing the CUDA graphs", lambda: serving_engine(path, task, dev, cuda_graphs=True))
+        check["cuda_graphs"] = step("checking the compiled graph replayed from CUDA graphs against eager",
+                                    lambda: check_compiled(eager, compiled))
+        check["cuda_graphs"]["captured"] = len(compiled.context.replay.graphs)
+    fp8 = None
+    if task.spec.precision == "fp8-static":  # what serves, against the same task in bf16
+        bf16 = prepare(ckpt, dataclasses.replace(task.spec, precision="bf16"), runtime)
+        reference = Engine(build_graph(ckpt, bf16, runtime), bf16, dev)
+        fp8 = step("accuracy gate: compiled fp8-static against bf16", lambda: fp8_gate(reference, compiled, gate))
+        progress(f"accuracy gate passed: {fp8}")
+    call_ms = step("timing calls at the token bounds (1, 2, 4 ... max_batch requests)", lambda: time_calls(compiled))
+    progress("calls at the token bounds: " + ", ".join(f"{b} request(s) {ms:.1f} ms" for b, ms in call_ms.items()))
+    task.tokenizer.tokenizer.save(str(out_dir / package.TOKENIZER))
+    manifest = {
+        "format": package.FORMAT,
+        "task": task.spec.to_dict(),
+        "architecture": dataclasses.asdict(ckpt.spec),
+        "dtype": PRECISIONS[task.spec.precision],
+        "device": dev.type,
+        "kernels": runtime.kernels,
+        "versions": versions(dev),
+        "pipeline": task.pipeline(dev.type, package.GRAPH),
+        "check": check,
+        "fp8_gate": fp8,
+        "call_ms": call_ms,
+        "built": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    (out_dir / package.MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest

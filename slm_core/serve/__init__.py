@@ -1,0 +1,1 @@
+"""Serve time: loading a package, the runtime, CUDA-graph replay, the REST protocol."""

@@ -1,0 +1,151 @@
+"""The runtime: one task's request path, encode -> compiled graph -> decode, in a request context
+preallocated at load.
+
+    results = engine.run([value, ...])   # up to max_batch request values, one graph call
+    engine.score(texts) / engine.beam(prompt)   # the Python API of the task's kind
+"""
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from slm_core.errors import InputError
+from slm_core.tasks import Task
+
+
+@dataclass(frozen=True)
+class CallStats:
+    """What a request cost: its sequences and tokens, the milliseconds of the graph call that
+    served it (copy-in to results on the host) and how many requests that call served."""
+
+    texts: int
+    tokens: int
+    graph_ms: float
+    batch: int = 1
+
+
+@dataclass(frozen=True)
+class Result:
+    """One request's outcome: its answer and what it cost, or the InputError that refused it."""
+
+    answer: Any = None
+    stats: CallStats | None = None
+    error: InputError | None = None
+
+
+@dataclass(frozen=True)
+class Span:
+    """Where a request's sequences sit in a packed call."""
+
+    first: int
+    count: int
+    tokens: int
+
+
+class Context:
+    """A graph call's state, preallocated at load: the packed token ids and cu_seqlens in host
+    memory (pinned on CUDA), the CUDA graphs that replay calls from them (slm_core.serve.replay;
+    None runs the graph as it is) and, on CUDA, the stream the calls run on. A call holds it
+    from packing its inputs to reading its outputs back."""
+
+    def __init__(self, task: Task, device: torch.device, replay=None):
+        pin = device.type == "cuda"
+        self.ids = torch.empty(task.graph_tokens, dtype=torch.int32, pin_memory=pin)  # packed token ids
+        self.cu = torch.empty(task.graph_texts + 1, dtype=torch.int32, pin_memory=pin)  # cu_seqlens
+        self.replay = replay
+        self.stream = torch.cuda.Stream(device) if pin else None
+
+
+class Engine:
+    """Runs one task's graph, eager (an nn.Module) or compiled (an AOTInductor package with the
+    same signature). Calls take the engine's request context in turn."""
+
+    def __init__(self, graph: Callable, task: Task, device: "torch.device | str", replay=None):
+        self.graph = graph
+        self.task = task
+        self.device = torch.device(device)
+        self.context = Context(task, self.device, replay)
+        self._lock = threading.Lock()
+
+    @property
+    def tokenizer(self):
+        return self.task.tokenizer
+
+    # --- the Python API -----------------------------------------------------------------------
+    def score(self, texts: list[str]) -> list[list[float]]:
+        """One row per text over the task's labels, in their order (probabilities, or logits)."""
+        return self._api("score", texts)
+
+    def beam(self, prompt: str) -> list[dict[str, Any]]:
+        """The W candidates, best first: text, token ids (the stop token included), log-probability."""
+        return self._api("beam", prompt)
+
+    def _api(self, method: str, value: Any) -> Any:
+        if self.task.api != method:
+            raise TypeError(f"this engine runs a {self.task.api!r} task: call engine.{self.task.api}(...)")
+        (result,) = self.run([value])
+        if result.error is not None:
+            raise result.error
+        return result.answer
+
+    # --- the request path ---------------------------------------------------------------------
+    def run(self, values: list[Any]) -> list[Result]:
+        """Up to max_batch request values in one graph call, packed one after another. Per value,
+        in order, its Result; a refused one does not hold back the others."""
+        if len(values) > self.task.max_batch:
+            raise ValueError(f"{len(values)} requests exceed max_batch={self.task.max_batch}")
+        encoded = self.task.encode(values)
+        with self._lock:
+            spans = self._pack(encoded)
+            members = [s for s in spans if isinstance(s, Span)]
+            if not members:
+                return [Result(error=s) for s in spans]
+            n, t = sum(s.count for s in members), sum(s.tokens for s in members)
+            outputs, graph_ms = self._call(n, t)
+        return [Result(error=s) if isinstance(s, InputError) else
+                Result(self.task.unpack(outputs, s.first, s.count), CallStats(s.count, s.tokens, graph_ms, len(members)))
+                for s in spans]
+
+    def synthetic_call(self, sequences: int, tokens: int) -> float:
+        """A call of `sequences` sequences of about equal length holding `tokens` token ids 1, as
+        the build times calls at the task's bounds; returns its milliseconds."""
+        even = [tokens // sequences + (i < tokens % sequences) for i in range(sequences)]
+        with self._lock:
+            self._pack([[[1] * n for n in even]])
+            return self._call(sequences, tokens)[1]
+
+    def _pack(self, encoded: list) -> "list[Span | InputError]":
+        """Each request's sequences behind the ones before it, into the context's host buffers."""
+        ids, cu = self.context.ids.numpy(), self.context.cu.numpy()
+        spans: list = []
+        n = t = 0
+        cu[0] = 0
+        for request in encoded:
+            if isinstance(request, InputError):
+                spans.append(request)
+                continue
+            start_n, start_t = n, t
+            for seq in request:
+                ids[t : t + len(seq)] = seq
+                t += len(seq)
+                n += 1
+                cu[n] = t
+            spans.append(Span(start_n, n - start_n, t - start_t))
+        return spans
+
+    def _call(self, n: int, t: int) -> tuple[list, float]:
+        """The graph over the packed call of n sequences, t tokens: its outputs as host lists and
+        the milliseconds from copy-in to results on the host."""
+        ctx = self.context
+        start = time.perf_counter()
+        with torch.inference_mode(), (torch.cuda.stream(ctx.stream) if ctx.stream else contextlib.nullcontext()):
+            out = ctx.replay(ctx.ids, ctx.cu, n, t) if ctx.replay is not None else None
+            if out is None:
+                out = self.graph(ctx.ids[:t].to(self.device, non_blocking=True),
+                                 ctx.cu[: n + 1].to(self.device, non_blocking=True))
+            outputs = [x.cpu().tolist() for x in ((out,) if isinstance(out, torch.Tensor) else out)]
+        return outputs, (time.perf_counter() - start) * 1e3

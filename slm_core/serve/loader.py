@@ -1,0 +1,150 @@
+"""Loading a built package for serving: the manifest's request path, on the worker's own device.
+
+    engine = load_package(model_dir, gpu_id)   # refuses, with the reason, what this worker cannot run
+
+A worker imports only serve-time code: the compiled graph replaces the Python model.
+"""
+
+import atexit
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from slm_core import manifest as package
+from slm_core.errors import SpecError
+from slm_core.serve.engine import Engine
+from slm_core.serve.replay import CudaGraphs
+from slm_core.spec import TaskSpec
+from slm_core.tasks import Task, task_for
+
+SCRATCH = "slm-aoti"  # under TMPDIR: one directory per process that loads packages
+
+
+def load_package(model_dir: "str | Path", gpu_id: int | None = None, cuda_graphs: bool = True,
+                 engine: type[Engine] | None = None) -> Engine:
+    """The Engine (or `engine` class) of a built package: its task as the manifest records it,
+    its compiled graph on `cuda:{gpu_id}` for CUDA builds, there replaying every size bucket from
+    a CUDA graph captured now (unless cuda_graphs is False)."""
+    engine = engine or Engine
+    model_dir = Path(model_dir)
+    manifest = package.read(model_dir)
+    task = load_task(model_dir, manifest)
+    graph_node = package.node(manifest, "graph")
+    path = str(model_dir / graph_node["file"])
+    if manifest["device"] != "cuda":
+        return engine(load_graph(path), task, "cpu")
+    device = worker_device(gpu_id)
+    built = manifest["versions"]
+    if list(torch.cuda.get_device_capability(device)) != built["capability"]:
+        raise SpecError(f"package was built for GPU capability {built['capability']} ({built['gpu']}), "
+                        f"this GPU is {torch.cuda.get_device_name(device)}: rebuild it on this GPU type")
+    return serving_engine(path, task, device, cuda_graphs, engine)
+
+
+def serving_engine(path: str, task: Task, device: torch.device, cuda_graphs: bool,
+                   engine: type[Engine] | None = None) -> Engine:
+    """A CUDA package's engine on `device`: with cuda_graphs, every bucket of the task's bounds
+    captured now, in the engine's request context."""
+    engine = engine or Engine
+    # CUDA-graph capture needs the package's runner loaded single-threaded; AOTI takes no None index
+    graph = load_graph(path, run_single_threaded=cuda_graphs, device_index=device.index)
+    if not cuda_graphs:
+        return engine(graph, task, device)
+    replay = CudaGraphs(graph, task, device)
+    served = engine(graph, task, device, replay)
+    replay.capture(served.context.stream)
+    return served
+
+
+def load_task(model_dir: Path, manifest: dict) -> Task:
+    """The manifest's task, checked against the request path it records."""
+    tokenizer = Tokenizer.from_file(str(model_dir / package.TOKENIZER))
+    task = task_for(TaskSpec.from_dict(manifest["task"]), tokenizer, manifest["device"])
+    expected = task.pipeline(manifest["device"], package.node(manifest, "graph")["file"])
+    if [(n["node"], n.get("op")) for n in manifest["pipeline"]] != [(n["node"], n.get("op")) for n in expected]:
+        raise SpecError(f"the manifest's request path {[n.get('op') for n in manifest['pipeline']]} is not "
+                        f"this version's for its task: rebuild the package")
+    return task
+
+
+def load_graph(path: str, **kwargs):
+    """torch._inductor.aoti_load_package(path, **kwargs), extracting the package (its .so holds
+    the weights: hundreds of MB) into this process's own directory under TMPDIR/slm-aoti. The
+    loader removes its extraction only when destroyed, which a worker that is killed or exits
+    never does: so the directory goes at this process's exit, and the directories of processes
+    that are gone are removed here first."""
+    scratch = _scratch()
+    with _env("TMPDIR", str(scratch)):  # where AOTInductor's C++ loader extracts to
+        return torch._inductor.aoti_load_package(path, **kwargs)
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+def _scratch() -> Path:
+    """TMPDIR/slm-aoti/PID, after removing the directories of pids that no process has. (A pid
+    the system gave to an unrelated process since keeps its directory until that one is gone.)"""
+    root = Path(tempfile.gettempdir()) / SCRATCH  # gettempdir() caches the real TMPDIR before _env changes it
+    root.mkdir(exist_ok=True)
+    mine = root / str(os.getpid())
+    for stale in root.iterdir():
+        if stale != mine and stale.name.isdigit() and not _alive(int(stale.name)):
+            shutil.rmtree(stale, ignore_errors=True)
+    if not mine.exists():
+        mine.mkdir()
+        atexit.register(shutil.rmtree, mine, ignore_errors=True)
+    return mine
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        pass
+    return True
+
+
+def worker_device(gpu_id: int | None) -> torch.device:
+    """`cuda:{gpu_id}` (TorchServe's GPU for this worker; cuda:0 without one), made the process's
+    current device before anything is loaded, so that what follows without an explicit device
+    (AOTInductor's kernels, pinned buffers, CUDA-graph streams and pool) lands there too: a worker
+    never touches another GPU."""
+    index = 0 if gpu_id is None else int(gpu_id)
+    if not 0 <= index < torch.cuda.device_count():
+        raise SpecError(f"worker was given GPU {gpu_id}, this host has {torch.cuda.device_count()} "
+                        "(TorchServe's number_of_gpu or the archive's deviceIds name a GPU that is not there)")
+    device = torch.device("cuda", index)
+    torch.cuda.set_device(device)
+    return device
+
+
+def mps_running(proc: Path = Path("/proc")) -> bool:
+    """Whether NVIDIA's Multi-Process Service control daemon (`nvidia-cuda-mps-control -d`) runs
+    where this process can see it. CUDA processes started after it share the GPU through one
+    server and run their kernels side by side; without it a GPU time-slices between processes, so
+    a second worker on a GPU adds no GPU throughput."""
+    for cmdline in proc.glob("[0-9]*/cmdline"):
+        try:
+            program = cmdline.read_bytes().split(b"\0", 1)[0]
+        except OSError:  # gone, or not ours to read
+            continue
+        if program.rsplit(b"/", 1)[-1] == b"nvidia-cuda-mps-control":
+            return True
+    return False

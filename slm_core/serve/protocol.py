@@ -1,0 +1,133 @@
+"""The REST protocol, independent of TorchServe: a request's raw body and headers -> (status, JSON).
+
+A request body is one JSON object with the task's field (Task.request); the answer is the task's
+(Task.body). A bad request gets 400 {"error": "..."} naming the problem in JSON's terms and the
+bound it breaks (415 for an encoded body); a failure of the graph call 500 for the requests in
+it. Nothing here raises.
+"""
+
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from slm_core.errors import InputError, bounded, names
+from slm_core.serve.engine import CallStats, Engine
+
+log = logging.getLogger(__name__)
+MAX_DIGITS = 32  # of an integer in a request body: a bound of the protocol, not of Python
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request as its host hands it over: its parameters (TorchServe: the body under "body",
+    or a form's fields) and its HTTP headers, names in lower case."""
+
+    parameters: Mapping[str, Any]
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Reply:
+    status: int
+    body: bytes
+    stats: CallStats | None = None  # set when the graph ran
+
+
+def encode(obj: Any) -> bytes:
+    # Compact and deterministic: the same answer is the same bytes. No cycle check: every object is
+    # built here, and the check costs ~10 % of a beam reply's encoding (its 100 candidate dicts).
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False,
+                      check_circular=False).encode("utf-8")
+
+
+def error(status: int, message: str) -> Reply:
+    return Reply(status, encode({"error": bounded(message)}))
+
+
+def request_body(request: Request) -> object:
+    """The raw body of one request (TorchServe names a JSON POST's parameter "body", a raw one
+    "data"); a form post arrives as fields instead."""
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise InputError(f"Content-Encoding {bounded(encoding, 32)!r} is not supported: send the JSON body "
+                         "uncompressed", status=415)
+    for key in ("body", "data"):
+        if request.parameters.get(key) is not None:
+            return request.parameters[key]
+    raise InputError("expected a JSON body (Content-Type: application/json), got form fields "
+                     f"{names(request.parameters) or 'none'}")
+
+
+def _int(digits: str) -> int:
+    if len(digits.lstrip("-")) > MAX_DIGITS:
+        raise InputError(f"request body holds a number of {len(digits.lstrip('-'))} digits (at most {MAX_DIGITS})")
+    return int(digits)
+
+
+def _constant(name: str):
+    raise InputError(f"request body holds {name}, which is not JSON")
+
+
+def parse_body(body: object) -> Any:
+    """A request body -> its JSON value, parsed once. The body is raw bytes (the handler has
+    TorchServe hand bodies over undecoded); a value TorchServe decoded already (its default
+    decode_input_request) is taken as it is: a str is then a JSON string, not a request."""
+    if isinstance(body, (bytes, bytearray)):
+        try:
+            text = bytes(body).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InputError(f"request body is not valid UTF-8 (byte {e.start})") from None
+        try:
+            return json.loads(text, parse_int=_int, parse_constant=_constant)
+        except RecursionError:
+            raise InputError("request body nests arrays or objects too deeply to parse "
+                             "(a request nests them 2 deep)") from None
+        except json.JSONDecodeError as e:
+            raise InputError(f"request body is not valid JSON: {e.msg} at character {e.pos}") from None
+    return body
+
+
+def respond(engine: Engine, request: Request) -> Reply:
+    return respond_batch(engine, [request])[0]
+
+
+def respond_batch(engine: Engine, requests: list[Request]) -> list[Reply]:
+    """The replies to a batch, in order. Up to max_batch requests share one graph call; a bad
+    request gets its own 4xx and is left out of the call; a failure of the call itself is a 500
+    for the requests in it, logged."""
+    task = engine.task
+    replies: list[Reply | None] = [None] * len(requests)
+    values, members = [], []
+    for i, request in enumerate(requests):
+        try:
+            values.append(task.request(parse_body(request_body(request))))
+            members.append(i)
+        except InputError as e:
+            replies[i] = error(e.status, str(e))
+        except Exception:
+            log.exception("request failed")
+            replies[i] = error(500, "internal error while running the request")
+    for start in range(0, len(values), task.max_batch):
+        _call(engine, values[start : start + task.max_batch], members[start : start + task.max_batch], replies)
+    return replies
+
+
+def _call(engine: Engine, values: list, members: list[int], replies: list) -> None:
+    """One graph call for up to max_batch requests; their replies go to replies[members]."""
+    try:
+        results = engine.run(values)
+    except Exception:  # a bug or a device fault: these requests fail, the worker lives on
+        log.exception("graph call failed")
+        for i in members:
+            replies[i] = error(500, "internal error while running the request")
+        return
+    for i, result in zip(members, results):
+        if result.error is not None:
+            replies[i] = error(result.error.status, str(result.error))
+            continue
+        try:
+            replies[i] = Reply(200, encode(engine.task.body(result.answer)), result.stats)
+        except ValueError:  # a NaN or infinity from the graph, which JSON cannot carry: this request only
+            log.exception("a non-finite number in a graph's output")
+            replies[i] = error(500, "internal error: the model produced a non-finite number")

@@ -1,0 +1,33 @@
+"""deploy/'s settings and serve.sh's environment, as the deploy tests read them."""
+
+import os
+import re
+import shutil
+from pathlib import Path
+from urllib.parse import urlparse
+
+REPO = Path(__file__).resolve().parents[1]
+DEPLOY = REPO / "deploy"
+SERVE = DEPLOY / "serve.sh"
+TASK = REPO / "archiver" / "tasks" / "smollm2-intent.yaml"
+
+
+def properties(path: Path) -> dict[str, str]:
+    lines = [l.strip() for l in path.read_text().splitlines()]
+    return dict(l.split("=", 1) for l in lines if l and not l.startswith("#"))
+
+
+CONFIG = properties(DEPLOY / "config.properties")
+INFERENCE_PORT = urlparse(CONFIG["inference_address"]).port
+METRICS_PORT = urlparse(CONFIG["metrics_address"]).port
+# The settings serve.sh reads, from its `NAME=${NAME:-default}` lines.
+SERVE_DEFAULTS = dict(re.findall(r"^(\w+)=\$\{\1:-([^}]*)\}", SERVE.read_text(), re.M))
+
+
+def serve_env(tmp_path: Path, python: str, checkpoint: str, **extra) -> dict:
+    tasks = tmp_path / "tasks"
+    if not tasks.exists():
+        tasks.mkdir()
+        shutil.copy(TASK, tasks)
+    return {**os.environ, "PYTHON": python, "CHECKPOINT": checkpoint, "TASKS_DIR": str(tasks),
+            "MODEL_STORE": str(tmp_path / "store"), "DEVICE": "cpu", "BUILD_ONLY": "1", **extra}

@@ -1,0 +1,72 @@
+"""deploy/serve.sh as a replica runs it, through a real TorchServe (CPU, the demo's archive)."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from deploy_env import CONFIG, SERVE, TASK, serve_env
+from handlers.local_server import free_ports, http
+
+
+@pytest.mark.slow
+def test_serves_the_real_archive_it_finds(tmp_path, demo):
+    """The entrypoint as a replica runs it, on CPU, with the demo's smollm2_intent.mar already in
+    its model store (building is the stand-in tests' part): it does not build, then serves it with
+    the deploy config (its ports moved to free ones) and answers /ping, a prediction and /metrics."""
+    from conftest import smollm2_path
+
+    (tmp_path / "tasks").mkdir()
+    shutil.copy(TASK, tmp_path / "tasks" / "smollm2_intent.yaml")
+    (tmp_path / "store").mkdir()
+    shutil.copy(demo[0] / "model-store" / "smollm2_intent.mar", tmp_path / "store")
+    bindir = str(Path(sys.executable).parent)  # torchserve, as the image's PATH has it
+    # `false` as Python: the archiver is never run
+    env = serve_env(tmp_path, "false", smollm2_path(), PATH=f"{bindir}:{os.environ['PATH']}")
+
+    inference, management, metrics, grpc_i, grpc_m, workers = free_ports(6)
+    config = {**CONFIG, "inference_address": f"http://127.0.0.1:{inference}",
+              "management_address": f"http://127.0.0.1:{management}",
+              "metrics_address": f"http://127.0.0.1:{metrics}", "grpc_inference_port": str(grpc_i),
+              "grpc_management_port": str(grpc_m), "initial_worker_port": str(workers)}
+    (tmp_path / "ts.properties").write_text("".join(f"{k}={v}\n" for k, v in config.items()))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "tmp").mkdir()
+    serve = {**env, "BUILD_ONLY": "0", "TS_CONFIG": str(tmp_path / "ts.properties"),
+             "TMPDIR": str(tmp_path / "run" / "tmp"), "LOG_LOCATION": str(tmp_path / "run" / "logs"),
+             "METRICS_LOCATION": str(tmp_path / "run" / "logs")}
+    log = open(tmp_path / "run" / "stdout.log", "wb")
+    proc = subprocess.Popen([str(SERVE)], env=serve, cwd=tmp_path / "run", stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)  # its own process group: killed whole below
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, (tmp_path / "run" / "stdout.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "not healthy in 300 s"
+            try:
+                if http("GET", f"http://127.0.0.1:{inference}/ping", timeout=2)[0] == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(1)
+        status, body = http("POST", f"http://127.0.0.1:{inference}/predictions/smollm2_intent",
+                            json.dumps({"texts": ["cheap flights to rome"]}).encode(),
+                            {"Content-Type": "application/json"})
+        assert status == 200, body
+        answer = json.loads(body)
+        assert answer["labels"] == ["Yes", "No"] and sum(answer["scores"][0]) == pytest.approx(1, abs=1e-5)
+        status, body = http("GET", f"http://127.0.0.1:{metrics}/metrics")
+        assert status == 200 and b"ts_inference_requests_total" in body
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()

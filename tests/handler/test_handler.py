@@ -1,0 +1,194 @@
+"""The handler's lifecycle with a mock TorchServe context: batches of good and bad requests, what
+a worker loads where, and that a worker serves with only serve-time code importable."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from handlers.slm_handler import SlmHandler, workers_share_a_gpu
+from mock_ts import MockContext
+from slm_core import SpecError
+from slm_core.manifest import MANIFEST
+from slm_core.serve.loader import load_package
+from slm_core.serving import ServingSpec
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_a_batch_of_good_and_bad_requests_gets_an_answer_each(archives):
+    ctx = MockContext(archives["tiny_score"], ServingSpec("cpu", 1, 3, 30).model_config(),
+                      [{}, {}, {}, {}, {}, {"Content-Encoding": "gzip"}])
+    handler = SlmHandler()
+    handler.initialize(ctx)
+    assert os.environ["TS_DECODE_INPUT_REQUEST"] == "false"  # bodies reach the handler undecoded
+    batch = [
+        {"body": b'{"texts": ["search engines", "a"]}'},
+        {"body": b'{"texts": ['},
+        {"body": {"texts": "not a list"}},  # as TorchServe decodes a JSON body by default
+        {"data": b'{"texts": ["the lazy dog"]}'},
+        {"hello": b""},
+        {"body": b"\x1f\x8b\x08\x00"},
+    ]
+    out = handler.handle(batch, ctx)
+    assert [ctx.status[i][0] for i in range(6)] == [200, 400, 400, 200, 400, 415]
+    assert all(ctx.headers[i]["Content-Type"] == "application/json" for i in range(6))
+    for i in (0, 3):  # where each answered request's time went: its batch's handler time holds its graph call
+        timing = ctx.headers[i]
+        assert 0 < float(timing["X-Slm-Graph-Ms"]) <= float(timing["X-Slm-Handler-Ms"])
+        assert timing["X-Slm-Batch"] == "2" and timing["X-Slm-Worker"] == str(os.getpid())
+    assert not any(k.startswith("X-Slm") for i in (1, 2, 4, 5) for k in ctx.headers[i])  # refused: no call
+    bodies = [json.loads(b) for b in out]
+    assert bodies[0]["labels"] == ["yes", "no"] and len(bodies[0]["scores"]) == 2
+    assert "not valid JSON" in bodies[1]["error"] and "must be an array of strings" in bodies[2]["error"]
+    assert 'form fields "hello"' in bodies[4]["error"] and "Content-Encoding 'gzip'" in bodies[5]["error"]
+    # The two good requests shared one graph call (max_batch: 3); each equals its own call.
+    assert bodies[3]["scores"][0] == pytest.approx(handler.engine.score(["the lazy dog"])[0], abs=1e-6)
+    assert ctx.counters["SlmTexts"] == 3 and ctx.counters["SlmTokens"] > 3 and ctx.counters["SlmGraphTime"] > 0
+    assert ctx.counters["SlmBatchedRequests"] == 2
+
+
+SERVE_WITHOUT_BUILD = """
+import importlib.abc, json, sys
+class Refuse(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("kernels", "transformers", "gguf") or name.startswith(("slm_core.build", "slm_core.api")):
+            raise ImportError(f"{name} is build-time: a worker must not import it")
+sys.meta_path.insert(0, Refuse())
+model_dir, tests = sys.argv[1], sys.argv[2]
+sys.path[:0] = [model_dir, tests]
+from mock_ts import MockContext
+from slm_handler import SlmHandler
+ctx = MockContext(model_dir)
+handler = SlmHandler()
+handler.initialize(ctx)
+out = handler.handle([{"body": b'{"prompt": "a small language model"}'}], ctx)
+print(json.dumps({"status": ctx.status[0][0], "body": out[0].decode(),
+                  "modules": sorted(m for m in sys.modules if m.startswith("slm_core"))}))
+"""
+
+
+def test_a_worker_serves_with_the_build_time_modules_unimportable(archives, tmp_path):
+    """As TorchServe runs it, from the unpacked archive: the handler loads the package and answers
+    a request while slm_core.build, slm_core.api, kernels, transformers and gguf cannot be
+    imported (the compiled graph replaces the Python model); the answer equals the package's."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run([sys.executable, "-c", SERVE_WITHOUT_BUILD, str(archives["tiny_beam"]),
+                          str(REPO / "tests")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    served = json.loads(run.stdout.splitlines()[-1])
+    assert served["status"] == 200
+    assert not [m for m in served["modules"] if m.startswith(("slm_core.build", "slm_core.api"))]
+    assert "slm_core.serve.engine" in served["modules"] and "slm_core.tasks.beam" in served["modules"]
+    expected = load_package(archives["tiny_beam"]).beam("a small language model")
+    assert [c["token_ids"] for c in json.loads(served["body"])["candidates"]] == [c["token_ids"] for c in expected]
+
+
+def _as_cuda_package(archives, tmp_path) -> Path:
+    """A copy of tiny_score whose manifest says it was built for CUDA capability 9.0."""
+    copy = tmp_path / "pkg"
+    shutil.copytree(archives["tiny_score"], copy)
+    manifest = json.loads((copy / MANIFEST).read_text())
+    manifest.update(device="cuda")
+    manifest["versions"]["capability"] = [9, 0]
+    (copy / MANIFEST).write_text(json.dumps(manifest))
+    return copy
+
+
+class FakeCuda:
+    """Two H200s as torch.cuda reports them, recording what the worker does with them; the graph
+    loader, CUDA-graph replay and engine record where they were put instead of touching a GPU."""
+
+    def __init__(self, monkeypatch):
+        import slm_core.serve.loader as loader
+
+        self.calls = []
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: self.record("capability", d) or (9, 0))
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H200")
+        monkeypatch.setattr(torch.cuda, "set_device", lambda d: self.record("set_device", d))
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 0)
+        monkeypatch.setattr(loader, "load_graph", lambda path, **kw: self.record("load", kw) or "graph")
+        monkeypatch.setattr(loader, "CudaGraphs", lambda graph, task, device: self.record("replay", device) or
+                            SimpleNamespace(graphs={}, capture=lambda stream: self.record("capture", stream)))
+        monkeypatch.setattr(loader, "Engine", lambda graph, task, device, replay=None:
+                            self.record("engine", (graph, device)) or
+                            SimpleNamespace(task=task, device=device, context=SimpleNamespace(replay=replay, stream="s")))
+
+    def record(self, what, arg):
+        self.calls.append((what, arg))
+
+
+@pytest.mark.parametrize("gpu_id, index", [(1, 1), (0, 0), (None, 0)])
+def test_worker_places_everything_on_its_gpu(archives, tmp_path, monkeypatch, gpu_id, index):
+    """TorchServe gives each worker a gpu_id (round-robin over the GPUs or the archive's
+    deviceIds): the worker makes it the current device before anything is loaded, then loads the
+    compiled graph, the CUDA-graph replay and the engine onto cuda:{gpu_id}, and captures."""
+    cuda = FakeCuda(monkeypatch)
+    ctx = MockContext(_as_cuda_package(archives, tmp_path), ServingSpec("cuda", 2, 2, 8).model_config())
+    ctx.system_properties["gpu_id"] = gpu_id
+    handler = SlmHandler()
+    handler.initialize(ctx)
+    device = torch.device("cuda", index)
+    assert handler.engine.device == device
+    assert cuda.calls == [("set_device", device), ("capability", device),
+                          ("load", {"run_single_threaded": True, "device_index": index}),
+                          ("replay", device), ("engine", ("graph", device)), ("capture", "s")]
+
+
+def test_worker_without_cuda_graphs_loads_the_runner_for_several_threads(archives, tmp_path, monkeypatch):
+    cuda = FakeCuda(monkeypatch)
+    ctx = MockContext(_as_cuda_package(archives, tmp_path), ServingSpec("cuda", 1, 2, 8, cuda_graphs=False).model_config())
+    SlmHandler().initialize(ctx)
+    assert ("load", {"run_single_threaded": False, "device_index": 0}) in cuda.calls
+    assert not [c for c in cuda.calls if c[0] in ("replay", "capture")]
+
+
+def test_worker_given_a_gpu_the_host_lacks_is_refused(archives, tmp_path, monkeypatch):
+    cuda = FakeCuda(monkeypatch)
+    with pytest.raises(SpecError, match="worker was given GPU 2, this host has 2"):
+        load_package(_as_cuda_package(archives, tmp_path), gpu_id=2)
+    assert cuda.calls == []  # refused before touching any device
+
+
+def test_mps_running_finds_the_control_daemon_by_its_program(tmp_path):
+    """mps_running reads each process's program from /proc/PID/cmdline (its name in
+    /proc/PID/comm stops at 15 characters, nvidia-cuda-mps, the server's too)."""
+    from slm_core.serve.loader import mps_running
+
+    fake = tmp_path / "proc"
+    (fake / "1").mkdir(parents=True)
+    (fake / "1" / "cmdline").write_bytes(b"/usr/bin/python3\0-m\0nvidia-cuda-mps-control\0")
+    (fake / "self").mkdir()
+    assert not mps_running(fake)  # named as an argument only
+    (fake / "77").mkdir()
+    (fake / "77" / "cmdline").write_bytes(b"/usr/local/nvidia/bin/nvidia-cuda-mps-control\0-d\0")
+    assert mps_running(fake)
+    already = mps_running()  # the real /proc: a process that calls itself the daemon is found
+    with subprocess.Popen(["nvidia-cuda-mps-control", "30"], executable="/bin/sleep") as daemon:
+        try:
+            assert mps_running()
+        finally:
+            daemon.kill()
+    assert mps_running() == already
+
+
+def test_workers_share_a_gpu_counts_the_gpus_they_are_dealt_to():
+    """The handler's MPS warning is for workers that share a GPU: more of them than GPUs, the
+    archive's deviceIds when it names some, else the host's."""
+    def spec(workers, ids=()):
+        return ServingSpec("cuda", workers, 1, 1, device_ids=ids)
+
+    assert workers_share_a_gpu(spec(2), host_gpus=1)
+    assert not workers_share_a_gpu(spec(2), host_gpus=2)
+    assert not workers_share_a_gpu(spec(2, (0, 1)), host_gpus=8)
+    assert workers_share_a_gpu(spec(4, (0, 1)), host_gpus=8)
+    assert workers_share_a_gpu(spec(3, (0, 1)), host_gpus=2)
+    assert not workers_share_a_gpu(spec(1), host_gpus=0)

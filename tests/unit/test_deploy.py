@@ -1,0 +1,176 @@
+"""deploy/: the manifests agree with the TorchServe config and serve.sh (structure only: no cluster
+here), and serve.sh builds and reuses archives (with a stand-in archiver;
+tests/e2e/test_deploy_serving.py serves a real one)."""
+
+import fcntl
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+import yaml
+
+
+from deploy_env import CONFIG, DEPLOY, INFERENCE_PORT, METRICS_PORT, SERVE, SERVE_DEFAULTS, TASK, serve_env
+
+
+def replicas() -> list[tuple[dict, dict]]:
+    """(pod spec, annotations that reach the pod) of every workload in the two manifests."""
+    found = []
+    for name in ("kserve.yaml", "k8s.yaml"):
+        for doc in yaml.safe_load_all((DEPLOY / name).read_text()):
+            if doc["kind"] == "InferenceService":
+                found.append((doc["spec"]["predictor"], doc["metadata"]["annotations"]))
+            elif doc["kind"] == "Deployment":
+                template = doc["spec"]["template"]
+                found.append((template["spec"], template["metadata"]["annotations"]))
+    assert len(found) == 2
+    return found
+
+
+def test_config_one_gpu_per_replica_and_management_on_loopback():
+    assert CONFIG["number_of_gpu"] == "1"
+    assert urlparse(CONFIG["management_address"]).hostname == "127.0.0.1"
+    assert urlparse(CONFIG["inference_address"]).hostname == "0.0.0.0"
+    assert CONFIG["metrics_address"] == "http://0.0.0.0:8082" and CONFIG["metrics_mode"] == "prometheus"
+    assert CONFIG["load_models"] == "all" and CONFIG["model_store"] == SERVE_DEFAULTS["MODEL_STORE"]
+
+
+@pytest.mark.parametrize("index", [0, 1], ids=["kserve", "k8s"])
+def test_manifest_agrees_with_config_and_serve_sh(index):
+    pod, annotations = replicas()[index]
+    [container] = pod["containers"]
+    limits, requests = container["resources"]["limits"], container["resources"]["requests"]
+    assert limits["nvidia.com/gpu"] == 1 and requests["nvidia.com/gpu"] == 1
+    ports = [p["containerPort"] for p in container["ports"]]
+    assert ports == [INFERENCE_PORT, METRICS_PORT]  # KServe routes to the first
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/ping", "port": INFERENCE_PORT}, probe
+    assert annotations["prometheus.io/port"] == str(METRICS_PORT)
+    assert annotations["prometheus.io/path"] == "/metrics"
+
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert set(env) - {"STORAGE_URI"} <= set(SERVE_DEFAULTS)
+    assert {"CHECKPOINT", "TASKS_DIR", "MODEL_STORE"} <= set(env)
+    assert env["CHECKPOINT"] == "/mnt/models/checkpoint" and env["TASKS_DIR"] == "/mnt/models/tasks"
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    assert not mounts[env["MODEL_STORE"]].get("readOnly", False)  # archives are built into it
+    volume = {v["name"]: v for v in pod["volumes"]}[mounts[env["MODEL_STORE"]]["name"]]
+    assert "emptyDir" in volume or "persistentVolumeClaim" in volume
+
+
+def test_kserve_specifics():
+    docs = list(yaml.safe_load_all((DEPLOY / "kserve.yaml").read_text()))
+    [isvc] = docs
+    assert isvc["apiVersion"] == "serving.kserve.io/v1beta1"
+    assert isvc["metadata"]["annotations"]["serving.kserve.io/deploymentMode"] == "RawDeployment"
+    # "true" would point prometheus.io/port at Knative's queue-proxy, absent in RawDeployment.
+    assert isvc["metadata"]["annotations"]["serving.kserve.io/enable-prometheus-scraping"] == "false"
+    predictor = isvc["spec"]["predictor"]
+    assert 1 <= predictor["minReplicas"] <= predictor["maxReplicas"]
+    [container] = predictor["containers"]
+    assert container["name"] == "kserve-container"
+    assert any(e["name"] == "STORAGE_URI" for e in container["env"])  # triggers the storage initializer
+
+
+def test_k8s_service_targets_the_container_ports():
+    deployment, service = yaml.safe_load_all((DEPLOY / "k8s.yaml").read_text())
+    assert deployment["spec"]["replicas"] >= 1
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    assert sorted(p["targetPort"] for p in service["spec"]["ports"]) == [INFERENCE_PORT, METRICS_PORT]
+
+
+def test_dockerfile_exposes_the_config_ports_and_runs_serve_sh():
+    text = (DEPLOY / "Dockerfile").read_text()
+    [exposed] = re.findall(r"^EXPOSE (.+)$", text, re.M)
+    assert sorted(map(int, exposed.split())) == [INFERENCE_PORT, METRICS_PORT]
+    assert "/opt/slm-serve/deploy/serve.sh" in re.search(r"^ENTRYPOINT (.+)$", text, re.M)[1]
+    assert re.search(r"^USER (?!root|0\b)", text, re.M)
+    assert os.access(SERVE, os.X_OK)
+
+
+def test_serve_sh_passes_shell_checks():
+    subprocess.run(["bash", "-n", str(SERVE)], check=True)
+    if shutil.which("shellcheck"):
+        subprocess.run(["shellcheck", str(SERVE)], check=True)
+
+
+# serve.sh itself, with a stand-in archiver (fast) and then the real one.
+
+FAKE_ARCHIVER = """#!/usr/bin/env bash
+# Stands in for `python -m archiver build ...`: logs its arguments, writes NAME.mar where it is told.
+echo "$*" >> "$FAKE_LOG"
+while (($#)); do case $1 in --model-name) name=$2 ;; --export-path) out=$2 ;; esac; shift; done
+echo half > "$out/$name.mar"
+[[ ${FAKE_FAIL:-0} == 1 ]] && exit 1
+echo whole > "$out/$name.mar"
+"""
+
+
+def run_serve(env: dict, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([str(SERVE)], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def fake(tmp_path):
+    script = tmp_path / "fake-archiver"
+    script.write_text(FAKE_ARCHIVER)
+    script.chmod(0o755)
+    env = serve_env(tmp_path, str(script), str(TASK), FAKE_LOG=str(tmp_path / "calls.log"),
+                    ARCHIVER_ARGS="--deadline-ms 50 --no-cuda-graphs")
+    return env, tmp_path / "store"
+
+
+def test_builds_each_task_once_into_place(fake):
+    env, store = fake
+    result = run_serve(env)
+    assert result.returncode == 0, result.stderr
+    assert (store / "smollm2-intent.mar").read_text() == "whole\n"
+    assert [p.name for p in store.iterdir() if p.name.startswith(".build")] == []
+    [call] = Path(env["FAKE_LOG"]).read_text().splitlines()
+    assert call.startswith("-m archiver build --checkpoint ") and "--model-name smollm2-intent" in call
+    assert call.endswith("--device cpu --deadline-ms 50 --no-cuda-graphs")
+
+    again = run_serve(env)
+    assert again.returncode == 0 and "reusing" in again.stdout
+    assert len(Path(env["FAKE_LOG"]).read_text().splitlines()) == 1
+
+
+def test_a_failed_build_leaves_no_archive(fake):
+    env, store = fake
+    result = run_serve({**env, "FAKE_FAIL": "1"})
+    assert result.returncode != 0
+    assert not (store / "smollm2-intent.mar").exists()  # the half archive stays hidden
+    assert run_serve(env).returncode == 0  # the next start cleans up and builds
+    assert [p.name for p in store.iterdir() if not p.name.endswith(".lock")] == ["smollm2-intent.mar"]
+
+
+def test_waits_for_a_replica_building_the_same_archive(fake):
+    env, store = fake
+    store.mkdir()
+    with open(store / ".smollm2-intent.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another replica is building
+        proc = subprocess.Popen([str(SERVE)], env={**env, "PYTHON": "false"}, stdout=subprocess.PIPE, text=True)
+        time.sleep(1)  # had it not waited, it would have run `false` by now and failed
+        (store / "smollm2-intent.mar").write_text("built elsewhere\n")
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and "built by another replica" in out
+
+
+@pytest.mark.parametrize("what", ["tasks", "checkpoint"])
+def test_refuses_without_tasks_or_checkpoint(tmp_path, what):
+    (tmp_path / "empty").mkdir()
+    env = serve_env(tmp_path, sys.executable, str(TASK))
+    if what == "tasks":
+        env["TASKS_DIR"] = str(tmp_path / "empty")
+    else:
+        env["CHECKPOINT"] = str(tmp_path / "missing.gguf")
+    result = run_serve(env)
+    assert result.returncode == 2
+    assert {"tasks": "no task YAML in TASKS_DIR", "checkpoint": "no checkpoint at CHECKPOINT"}[what] in result.stderr
+    assert not (tmp_path / "store").exists() or not any((tmp_path / "store").iterdir())

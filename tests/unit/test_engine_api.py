@@ -1,0 +1,122 @@
+"""The Python API end to end: checkpoint path + task YAML -> answers; clear errors."""
+
+import json
+
+import pytest
+
+from conftest import CHAT, smollm2_path
+from helpers import engine_for
+from slm_core import Engine, InputError, SpecError
+from slm_core.build.checkpoint import load_checkpoint
+
+
+def write_yaml(path, text):
+    path.write_text(text)
+    return path
+
+
+def test_from_checkpoint_with_yaml_tasks(tmp_path):
+    score_yaml = write_yaml(tmp_path / "score.yaml", f"task: score\nprompt_template: {json.dumps(CHAT)}\n"
+                            'labels: ["Yes", "No"]\nmax_texts: 4\nmax_text_tokens: 128\nprecision: fp32\n')
+    eng = Engine.from_checkpoint(smollm2_path(), task=score_yaml, device="cpu")
+    rows = eng.score(["Is Paris in France? Answer Yes or No.", "Is the sun cold? Answer Yes or No."])
+    assert len(rows) == 2 and all(len(r) == 2 and abs(sum(r) - 1) < 1e-5 for r in rows)
+    assert rows[0][0] > rows[1][0]  # the real model's answers: more "Yes" for the true statement
+    with pytest.raises(InputError, match="max_texts=4"):
+        eng.score(["a"] * 5)
+    with pytest.raises(TypeError, match=r"runs a 'score' task: call engine.score\(...\)"):
+        eng.beam("hello")
+
+    beam_yaml = write_yaml(tmp_path / "beam.yaml", f"task: beam\nprompt_template: {json.dumps(CHAT.replace('{text}', '{prompt}'))}\n"
+                           'beam_width: 3\nnew_tokens: 4\nstop: ["<|im_end|>"]\nprecision: fp32\n')
+    eng = Engine.from_checkpoint(smollm2_path(), task=beam_yaml)
+    out = eng.beam("What is the capital of France?")
+    assert len(out) == 3 and [c["score"] for c in out] == sorted((c["score"] for c in out), reverse=True)
+    assert out[0]["text"] == "The capital of France"  # the real model's best 4-token answer
+    assert all(c["text"] == eng.tokenizer.decode(c["token_ids"]) for c in out)
+
+
+def test_checkpoint_errors(tmp_path, random_checkpoint):
+    with pytest.raises(SpecError, match="neither an HF-style directory nor a .gguf"):
+        load_checkpoint(tmp_path / "nothing.bin")
+    with pytest.raises(SpecError, match="has no config.json"):
+        load_checkpoint(tmp_path)
+    folder, _ = random_checkpoint("qwen2")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in folder.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(broken / "model.safetensors")
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, broken / "model.safetensors")
+    with pytest.raises(SpecError, match="lacks 1 weights.*up_proj"):
+        Engine.from_checkpoint(broken, task={"task": "score", "labels": ["yes", "no"]})
+
+
+def test_beam_width_must_fit_the_vocabulary(random_checkpoint):
+    folder, _ = random_checkpoint("qwen3")
+    vocab = load_checkpoint(folder).spec.vocab_size
+    with pytest.raises(SpecError, match="needs 2 \\* beam_width <= vocab size"):
+        Engine.from_checkpoint(folder, task={"task": "beam", "beam_width": vocab // 2 + 1})
+
+
+def test_score_batch_packs_requests_into_one_call(random_checkpoint):
+    """max_batch requests share one graph call: each answer equals the request run alone; a bad
+    request gets its own InputError and the rest still run; more than max_batch is refused."""
+    ckpt = load_checkpoint(random_checkpoint("qwen2")[0])
+    engine = engine_for(ckpt, task="score", labels=["yes", "no"], max_texts=4, max_text_tokens=32, max_batch=3)
+    requests = [["search engines rank documents", "a"], ["the lazy dog " * 5], ["one", "two", "three", "four"]]
+    results = engine.run(requests)
+    assert [r.stats.batch for r in results] == [3, 3, 3]
+    assert len({r.stats.graph_ms for r in results}) == 1  # one call served all three
+    for texts, result in zip(requests, results):
+        assert result.stats.texts == len(texts) and len(result.answer) == len(texts) and result.error is None
+        for row, ref in zip(result.answer, engine.score(texts)):
+            assert row == pytest.approx(ref, abs=1e-6)
+
+    mixed = engine.run([["fine"], ["a"] * 5, "not a list"])
+    assert isinstance(mixed[1].error, InputError) and "max_texts=4" in str(mixed[1].error)
+    assert isinstance(mixed[2].error, InputError) and mixed[0].stats.batch == 1
+    assert mixed[0].answer[0] == pytest.approx(engine.score(["fine"])[0], abs=1e-6)
+    with pytest.raises(ValueError, match="max_batch=3"):
+        engine.run([["a"]] * 4)
+
+
+def test_beam_batch_packs_prompts_into_one_call(random_checkpoint):
+    """Several beam prompts in one graph call: each prompt's candidates equal its own call (same
+    tokens in the same order, scores within fp32 noise); a bad prompt is refused alone."""
+    ckpt = load_checkpoint(random_checkpoint("qwen3")[0])
+    engine = engine_for(ckpt, task="beam", beam_width=4, new_tokens=3, max_prompt_tokens=24, max_batch=3)
+    prompts = ["a small language model", "search", "the lazy dog jumps over the quick brown fox"]
+    results = engine.run(prompts)
+    assert [r.stats.batch for r in results] == [3, 3, 3]
+    for prompt, result in zip(prompts, results):
+        alone = engine.beam(prompt)
+        assert [c["token_ids"] for c in result.answer] == [c["token_ids"] for c in alone]
+        assert [c["score"] for c in result.answer] == pytest.approx([c["score"] for c in alone], abs=1e-5)
+        assert result.stats.tokens == len(engine.tokenizer.tokenizer.encode(prompt).ids)
+    mixed = engine.run(["word " * 40, "search"])
+    assert isinstance(mixed[0].error, InputError) and "max_prompt_tokens=24" in str(mixed[0].error)
+    assert [c["token_ids"] for c in mixed[1].answer] == [c["token_ids"] for c in engine.beam("search")]
+
+
+def test_a_non_finite_output_is_a_500_for_its_request_only():
+    """JSON has no NaN: a graph answering one is a 500 for the request it belongs to, the batch's
+    bad request still gets its 400, and respond_batch does not raise."""
+    import torch
+
+    from slm_core.serve.protocol import Request, respond_batch
+    from slm_core.spec import TaskSpec
+    from slm_core.tasks import task_for
+
+    class NanGraph(torch.nn.Module):
+        def forward(self, ids, cu):
+            return torch.full((cu.shape[0] - 1, 2), float("nan"))
+
+    task = task_for(TaskSpec.from_dict(dict(task="score", labels=["Yes", "No"], max_texts=4, max_text_tokens=32,
+                                            max_batch=2)), load_checkpoint(smollm2_path()).tokenizer)
+    engine = Engine(NanGraph(), task, "cpu")
+    replies = respond_batch(engine, [Request({"body": b'{"texts": ["a"]}'}), Request({"body": b'{"texts": 3}'})])
+    assert [r.status for r in replies] == [500, 400] and b"non-finite" in replies[0].body

@@ -1,0 +1,76 @@
+"""The code's shape, read from its source: serve-time modules import no build-time module, nothing
+in slm_core imports TorchServe, and no module outside slm_core/tasks asks which kind a task is."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CORE = REPO / "slm_core"
+# What a worker runs: the serve half, the shared modules, the tasks, the handler.
+SERVE_TIME = sorted([*(CORE / "serve").glob("*.py"), *(CORE / "tasks").glob("*.py"), REPO / "handlers" / "slm_handler.py",
+                     *(CORE / n for n in ("__init__.py", "errors.py", "spec.py", "serving.py", "manifest.py",
+                                          "tokenizer.py", "flops.py"))])
+BUILD_TIME = ("slm_core.build", "slm_core.api", "kernels", "transformers", "gguf", "safetensors")
+KINDS = {"score", "beam", "labels", "classifier"}  # the task YAML's `task` and `head` values
+
+
+def imports(tree: ast.AST) -> list[tuple[str, ast.AST]]:
+    """Every module an import statement names (top level or inside a function)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(a.name, node) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            found += [(node.module, node)] + [(f"{node.module}.{a.name}", node) for a in node.names]
+    return found
+
+
+def enclosing_function(tree: ast.AST, target: ast.AST) -> str | None:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and any(n is target for n in ast.walk(node)):
+            return node.name
+    return None
+
+
+@pytest.mark.parametrize("path", SERVE_TIME, ids=lambda p: str(p.relative_to(REPO)))
+def test_serve_time_modules_import_no_build_time_module(path):
+    tree = ast.parse(path.read_text())
+    for name, node in imports(tree):
+        if name.startswith(BUILD_TIME):
+            # the one door: `from slm_core import Engine` (the Python API) imports it on first use
+            lazy = path == CORE / "__init__.py" and enclosing_function(tree, node) == "__getattr__"
+            assert lazy, f"{path.relative_to(REPO)}:{node.lineno} imports {name}"
+
+
+def test_the_engine_core_never_imports_torchserve():
+    for path in CORE.rglob("*.py"):
+        assert not [n for n, _ in imports(ast.parse(path.read_text())) if n == "ts" or n.startswith("ts.")], path
+
+
+def test_no_branch_on_the_task_kind_outside_the_task_modules():
+    """No comparison with a kind's name ("score", "beam", ...) in the product code outside
+    slm_core/tasks: the engine, protocol, replay, package, archiver and handler go through the
+    Task interface."""
+    product = [*CORE.rglob("*.py"), *(REPO / "handlers").glob("*.py"), *(REPO / "archiver").rglob("*.py")]
+    for path in product:
+        if CORE / "tasks" in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                names = {c.value for c in (node.left, *node.comparators) if isinstance(c, ast.Constant)}
+                for c in (node.left, *node.comparators):
+                    if isinstance(c, (ast.Tuple, ast.List, ast.Set)):
+                        names |= {e.value for e in c.elts if isinstance(e, ast.Constant)}
+                assert not names & KINDS, f"{path.relative_to(REPO)}:{node.lineno} compares with {names & KINDS}"
+
+
+def test_the_check_finds_what_it_looks_for(tmp_path):
+    """The checks above fail on code that breaks them (each scanner sees such a line)."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f(task):\n    from slm_core.build.model import Transformer\n    return task.task == 'score'\n")
+    tree = ast.parse(bad.read_text())
+    assert [n for n, _ in imports(tree)][0] == "slm_core.build.model"
+    compares = [n for n in ast.walk(tree) if isinstance(n, ast.Compare)]
+    assert compares and compares[0].comparators[0].value in KINDS

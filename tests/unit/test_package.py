@@ -1,0 +1,161 @@
+"""Built packages and archives: compiled equal to eager, the manifest's contents and request path,
+refusal of what a worker cannot run, and archives configured anew from a built one."""
+
+import json
+import shutil
+import zipfile
+
+import pytest
+import torch
+
+from conftest import BEAM_TASK, SCORE_TASK
+from slm_core import Engine, SpecError
+from slm_core.manifest import MANIFEST
+from slm_core.serve.loader import load_package
+from slm_core.serving import ServingOptions, ServingSpec
+
+TEXTS = ["a", "search engines rank documents", "the lazy dog " * 4, "12, 345 and 6789", "x y", "beam", "fox", "z"]
+
+
+def test_compiled_score_equals_eager(archives):
+    compiled = load_package(archives["tiny_score"])
+    eager = Engine.from_checkpoint(archives["checkpoint"], task=SCORE_TASK)
+    for texts in (TEXTS[:1], TEXTS[1:3], TEXTS):
+        for row, ref in zip(compiled.score(texts), eager.score(texts)):
+            assert row == pytest.approx(ref, abs=1e-5)
+    assert compiled.score(TEXTS) == compiled.score(TEXTS)
+
+
+def test_compiled_beam_equals_eager(archives):
+    compiled = Engine.from_package(archives["tiny_beam"])
+    eager = Engine.from_checkpoint(archives["checkpoint"], task=BEAM_TASK)
+    for prompt in ("a", "a small language model", "search engines rank documents for a query"):
+        ours, ref = compiled.beam(prompt), eager.beam(prompt)
+        assert [c["token_ids"] for c in ours] == [c["token_ids"] for c in ref]
+        for c, r in zip(ours, ref):
+            assert c["score"] == pytest.approx(r["score"], abs=1e-5)
+    assert compiled.beam("a small language model") == compiled.beam("a small language model")
+
+
+def test_compiled_graphs_take_a_batch_of_any_size_up_to_max_batch(archives):
+    """The archives batch requests (score max_batch 3, beam 2): every batch size from 1 to the
+    bound runs in one compiled call and answers each request as its own call does."""
+    score = load_package(archives["tiny_score"])
+    requests = [TEXTS[:1], TEXTS[1:3], TEXTS]
+    for size in (1, 2, 3):
+        for texts, result in zip(requests, score.run(requests[:size])):
+            assert result.stats.batch == size
+            for row, ref in zip(result.answer, score.score(texts)):
+                assert row == pytest.approx(ref, abs=1e-6)
+    beam = load_package(archives["tiny_beam"])
+    prompts = ["a", "search engines rank documents for a query"]
+    for size in (1, 2):
+        for prompt, result in zip(prompts, beam.run(prompts[:size])):
+            assert result.stats.batch == size
+            assert [c["token_ids"] for c in result.answer] == [c["token_ids"] for c in beam.beam(prompt)]
+
+
+def test_manifest_records_the_task_its_request_path_and_the_build(archives):
+    manifest = json.loads((archives["tiny_score"] / MANIFEST).read_text())
+    assert manifest["device"] == "cpu" and manifest["dtype"] == "float32" and manifest["kernels"] == "reference"
+    assert manifest["task"]["labels"] == ["yes", "no"] and manifest["task"]["max_batch"] == 3
+    assert manifest["architecture"]["arch"] == "qwen3" and manifest["versions"]["torch"] == torch.__version__
+    assert manifest["check"]["max_abs_diff"] <= manifest["check"]["tolerance"]
+    encode, graph, decode = manifest["pipeline"]
+    assert (encode["op"], graph["file"], decode["op"]) == ("LabelsTask.encode", "graph.pt2", "LabelsTask.unpack")
+    assert "cu_seqlens" in " ".join(graph["inputs"]) and len(graph["constants"]["label_ids"]) == 2
+    beam = json.loads((archives["tiny_beam"] / MANIFEST).read_text())
+    assert beam["pipeline"][1]["constants"]["stop_ids"] and beam["check"]["shared_candidates"] == 1.0
+    assert set(beam["call_ms"]) == {"1", "2"} and all(0 < ms < 60_000 for ms in beam["call_ms"].values())
+
+
+def test_archives_carry_their_serving_spec_and_serve_time_sources_only(archives):
+    """model-config.yaml holds the ServingSpec the archiver planned: tiny_score was built with
+    --queue 30; tiny_beam with --deadline-ms 80, its queue sized from the calls it timed. The
+    archive holds slm_core without its build half."""
+    from archiver.build import read_manifest, read_serving
+    from slm_core.serving import plan
+
+    store = archives["store"]
+    assert read_serving(store / "tiny_score.mar") == ServingSpec("cpu", 1, 3, 30)
+    beam = read_serving(store / "tiny_beam.mar")
+    manifest = read_manifest(store / "tiny_beam.mar")
+    assert beam == plan(ServingOptions(deadline_ms=80), "cpu", 2, manifest["call_ms"])[0] and beam.deadline_ms == 80
+    names = zipfile.ZipFile(store / "tiny_beam.mar").namelist()
+    assert "slm_core/serve/engine.py" in names and "slm_core/tasks/beam.py" in names
+    assert not [n for n in names if n.startswith(("slm_core/build/", "slm_core/api.py", "kernels/"))]
+
+
+def test_configure_writes_a_new_archive_of_the_same_package(archives, tmp_path):
+    """archiver configure: the built package and sources as they are, another serving spec, in
+    seconds; the new archive serves the same answers."""
+    from archiver.__main__ import main
+    from archiver.build import read_serving
+
+    src = archives["store"] / "tiny_score.mar"
+    assert main(["configure", "--archive", str(src), "--export-path", str(tmp_path), "--model-name", "tiny_x2",
+                 "--workers", "2", "--queue", "7"]) == 0
+    assert read_serving(tmp_path / "tiny_x2.mar") == ServingSpec("cpu", 2, 2, 7)  # two workers split max_batch 3
+    with zipfile.ZipFile(src) as a, zipfile.ZipFile(tmp_path / "tiny_x2.mar") as b:
+        same = [n for n in a.namelist() if not n.startswith("MAR-INF/") and n != "model-config.yaml"]
+        assert sorted(same) == sorted(n for n in b.namelist() if not n.startswith("MAR-INF/") and n != "model-config.yaml")
+        assert all(a.read(n) == b.read(n) for n in same)
+    zipfile.ZipFile(tmp_path / "tiny_x2.mar").extractall(tmp_path / "unpacked")
+    assert load_package(tmp_path / "unpacked").score(TEXTS[:2]) == load_package(archives["tiny_score"]).score(TEXTS[:2])
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda m: m["versions"].update(torch="1.0.0"), "built with torch 1.0.0, this worker has"),
+        (lambda m: m.update(format=99), "package format 99"),
+        (lambda m: m["pipeline"][2].update(op="BeamTask.unpack"), "is not this version's for its task"),
+        (lambda m: m.update(pipeline=m["pipeline"][:2]), "is not this version's for its task"),
+        (lambda m: m.update(pipeline=m["pipeline"][::2]), "has no 'graph' node"),
+    ],
+)
+def test_incompatible_packages_are_refused(archives, tmp_path, edit, message):
+    copy = tmp_path / "pkg"
+    shutil.copytree(archives["tiny_score"], copy)
+    manifest = json.loads((copy / MANIFEST).read_text())
+    edit(manifest)
+    (copy / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(SpecError, match=message):
+        load_package(copy)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_cuda_package_refused_without_cuda(archives, tmp_path):
+    copy = tmp_path / "pkg"
+    shutil.copytree(archives["tiny_score"], copy)
+    manifest = json.loads((copy / MANIFEST).read_text())
+    manifest["device"] = "cuda"
+    (copy / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(SpecError, match="built for cuda, but this worker has no CUDA device"):
+        load_package(copy)
+
+
+def test_triton_kernels_are_refused_on_cpu_builds(random_checkpoint, tmp_path):
+    """The Triton kernels compile for CUDA only: a CPU build asked for them says so before compiling."""
+    from slm_core.build.checkpoint import load_checkpoint
+    from slm_core.build.package import build_package
+    from slm_core.spec import RuntimeSpec, TaskSpec
+
+    ckpt = load_checkpoint(random_checkpoint("qwen2")[0])
+    task = TaskSpec.from_dict({"task": "beam", "beam_width": 2, "new_tokens": 2, "max_prompt_tokens": 16})
+    with pytest.raises(SpecError, match="compile for CUDA only"):
+        build_package(ckpt, task, RuntimeSpec("cpu", kernels="triton"), tmp_path / "pkg")
+    assert not (tmp_path / "pkg").exists()
+
+
+def test_the_cli_refuses_bad_serving_flags_before_loading_anything(capsys):
+    from archiver.__main__ import main
+
+    base = ["build", "--checkpoint", "x", "--task", "t.yaml", "--model-name", "m", "--export-path", "o"]
+    for argv in (["--workers", "0"], ["--device-ids", "0,0"], ["--contexts", "2"], ["--attention", "triton"]):
+        with pytest.raises(SystemExit):
+            main(base + argv)
+    # refused before anything is loaded or compiled (the checkpoint "x" does not exist)
+    assert main(base + ["--batch-delay-ms", "0"]) == 2
+    assert "waits 100 ms" in capsys.readouterr().err
+    assert main(base) == 2 and "t.yaml" in capsys.readouterr().err
