@@ -53,10 +53,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serving_flags(p: argparse.ArgumentParser) -> None:
-    """The ServingOptions of slm_core.serving; each left out takes its measured default."""
-    p.add_argument("--workers", type=_positive,
+    """The ServingOptions of slm_core.serving (which refuses bad values); each left out takes its
+    measured default."""
+    p.add_argument("--workers", type=int,
                    help="TorchServe workers for this model (default: 2 per GPU on CUDA, 1 on CPU)")
-    p.add_argument("--queue", type=_positive,
+    p.add_argument("--queue", type=int,
                    help="requests that may wait for a worker; beyond them TorchServe answers 503 at once (default: "
                         "as many as finish within --deadline-ms, from the calls timed at build)")
     p.add_argument("--deadline-ms", type=float,
@@ -65,7 +66,7 @@ def _serving_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-delay-ms", type=int, default=1,
                    help="the longest wait for more requests to batch into a call; at least 1 (TorchServe reads 0 "
                         "in an archive as unset: 100 ms)")
-    p.add_argument("--response-timeout", type=_positive, default=120,
+    p.add_argument("--response-timeout", type=int, default=120,
                    help="seconds a call may take before TorchServe restarts its worker")
     p.add_argument("--device-ids", type=_ids,
                    help="CUDA builds: the GPUs this model's workers go to in turn, e.g. 0,1 (default: every GPU of "
@@ -75,21 +76,11 @@ def _serving_flags(p: argparse.ArgumentParser) -> None:
                         "reserves, 2-6 GiB per worker)")
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return value
-
-
 def _ids(text: str) -> list[int]:
     try:
-        ids = [int(i) for i in text.split(",")]
+        return [int(i) for i in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of GPU indices") from None
-    if any(i < 0 for i in ids) or len(set(ids)) != len(ids):
-        raise argparse.ArgumentTypeError(f"{text!r}: GPU indices are distinct and not negative")
-    return ids
 
 
 if __name__ == "__main__":

@@ -152,10 +152,12 @@ def test_the_cli_refuses_bad_serving_flags_before_loading_anything(capsys):
     from archiver.__main__ import main
 
     base = ["build", "--checkpoint", "x", "--task", "t.yaml", "--model-name", "m", "--export-path", "o"]
-    for argv in (["--workers", "0"], ["--device-ids", "0,0"], ["--contexts", "2"], ["--attention", "triton"]):
+    for argv in (["--device-ids", "0,a"], ["--contexts", "2"], ["--attention", "triton"]):
         with pytest.raises(SystemExit):
             main(base + argv)
     # refused before anything is loaded or compiled (the checkpoint "x" does not exist)
-    assert main(base + ["--batch-delay-ms", "0"]) == 2
-    assert "waits 100 ms" in capsys.readouterr().err
+    for argv, message in ((["--batch-delay-ms", "0"], "waits 100 ms"), (["--workers", "0"], "workers must be"),
+                          (["--device-ids", "0,0"], "distinct and not negative")):
+        assert main(base + argv) == 2
+        assert message in capsys.readouterr().err
     assert main(base) == 2 and "t.yaml" in capsys.readouterr().err
