@@ -21,16 +21,18 @@ import yaml
 from slm_core.build.checkpoint import load_checkpoint
 from slm_core.build.checks import GateThresholds
 from slm_core.build.package import build_package
-from slm_core.manifest import MANIFEST
+from slm_core.errors import SpecError
+from slm_core.manifest import FORMAT, MANIFEST
 from slm_core.serving import ServingOptions, ServingSpec, plan
 from slm_core.spec import RuntimeSpec, TaskSpec
 
 HANDLER_MODULE = "handlers.slm_handler"
+HANDLER_FILE = "slm_handler.py"  # the handler as TorchServe flattens it into the archive
 MODEL_CONFIG = "model-config.yaml"
 # What a worker imports: slm_core without its build half and the Python API that joins both (the
 # compiled graph replaces the model).
 SERVE_SOURCES = ("slm_core",)
-BUILD_ONLY = ("build", "api.py")
+BUILD_ONLY = {"build", "api.py"}  # of slm_core's top level
 
 
 @dataclass(frozen=True)
@@ -65,34 +67,50 @@ def build(config: BuildConfig) -> Path:
         progress(note)
         for name in SERVE_SOURCES:
             src = Path(importlib.util.find_spec(name).submodule_search_locations[0])
-            shutil.copytree(src, stage / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", *BUILD_ONLY))
-        return _archive(stage, serving, config.model_name, export, Path(tmp))
+
+            def serve_time(folder: str, names: list[str], top=str(src)) -> set[str]:
+                skip = {n for n in names if n == "__pycache__" or n.endswith(".pyc")}
+                return skip | (BUILD_ONLY & set(names) if folder == top else set())
+
+            shutil.copytree(src, stage / name, ignore=serve_time)
+        handler = Path(importlib.util.find_spec(HANDLER_MODULE).origin)
+        return _archive(stage, handler, serving, config.model_name, export, Path(tmp))
 
 
 def configure(archive: "str | Path", export_path: "str | Path", options: ServingOptions,
               model_name: str | None = None) -> Path:
     """A new archive, `model_name` (default: the source's name).mar in export_path, holding the
-    built one's package and sources with a new serving spec, planned from its manifest's call
-    timings: no recompile, seconds."""
+    built one's package, sources and handler with a new serving spec: planned from `options`
+    (what they leave open takes the defaults, as at build) and the manifest's call timings. No
+    recompile: seconds."""
     archive = Path(archive)
     manifest = read_manifest(archive)
     serving, note = plan(options, manifest["device"], manifest["task"]["max_batch"], manifest["call_ms"])
     progress(note)
     name = model_name or archive.stem
     export = Path(export_path)
+    if (export / f"{name}.mar").resolve() == archive.resolve():
+        raise SpecError(f"configure would write over {archive}: give another --model-name or --export-path")
     export.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f"{name}-") as tmp:
         stage = Path(tmp) / "stage"
         with zipfile.ZipFile(archive) as z:
-            members = [m for m in z.namelist() if not m.startswith("MAR-INF/") and m not in (MODEL_CONFIG, "slm_handler.py")]
+            members = [m for m in z.namelist() if not m.startswith("MAR-INF/") and m not in (MODEL_CONFIG, HANDLER_FILE)]
             z.extractall(stage, members)
-        return _archive(stage, serving, name, export, Path(tmp))
+            z.extract(HANDLER_FILE, tmp)
+        return _archive(stage, Path(tmp) / HANDLER_FILE, serving, name, export, Path(tmp))
 
 
 def read_manifest(archive: "str | Path") -> dict[str, Any]:
-    """The package manifest inside a built archive."""
-    with zipfile.ZipFile(archive) as z:
-        return json.loads(z.read(MANIFEST))
+    """The package manifest inside a built archive of this format (SpecError otherwise)."""
+    try:
+        with zipfile.ZipFile(archive) as z:
+            manifest = json.loads(z.read(MANIFEST))
+    except (zipfile.BadZipFile, KeyError) as e:
+        raise SpecError(f"{archive} is not an archive slm-archiver built: {e}") from None
+    if manifest.get("format") != FORMAT:
+        raise SpecError(f"{archive} holds a package of format {manifest.get('format')!r}, not {FORMAT}: rebuild it")
+    return manifest
 
 
 def read_serving(archive: "str | Path") -> ServingSpec:
@@ -101,7 +119,7 @@ def read_serving(archive: "str | Path") -> ServingSpec:
         return ServingSpec.from_model_config(yaml.safe_load(z.read(MODEL_CONFIG)))
 
 
-def _archive(stage: Path, serving: ServingSpec, name: str, export: Path, tmp: Path) -> Path:
+def _archive(stage: Path, handler: Path, serving: ServingSpec, name: str, export: Path, tmp: Path) -> Path:
     from model_archiver.model_archiver_config import ModelArchiverConfig
     from model_archiver.model_packaging import generate_model_archive
 
@@ -112,7 +130,7 @@ def _archive(stage: Path, serving: ServingSpec, name: str, export: Path, tmp: Pa
     progress(f"writing {export / (name + '.mar')}")
     generate_model_archive(ModelArchiverConfig(
         model_name=name,
-        handler=importlib.util.find_spec(HANDLER_MODULE).origin,
+        handler=str(handler),
         version="1.0",
         extra_files=str(stage),
         export_path=str(export),

@@ -27,7 +27,7 @@ soak offers 0.8x capacity for --seconds and reports each window. Both sample the
 memory (and GPU memory where nvidia-smi runs) every second. Without --capacity, it is measured
 first (bench.loadgen sweep: the highest closed-loop QPS within the SLO).
 
-tests/test_serving.py runs the bad-input part against the CPU test archives in CI.
+tests/e2e/test_serving.py runs the bad-input part against the CPU test archives in CI.
 """
 
 import argparse
@@ -137,7 +137,8 @@ def bad_requests(task: str, max_items: int, max_tokens: int, rng: random.Random,
             item(long_text), _wrap(task, ["x"] * (max_items + 1) if task == "score" else long_text * 3),
             _wrap(task, [] if task == "score" else "")])).encode(),
         "wrong fields": lambda: json.dumps(rng.choice([
-            {other: good}, {field: good, "extra": 1}, {}, {"x" * 1000: 1}, [good], good])).encode(),
+            {other: good}, {field: good, "extra": 1}, {}, {"x" * 1000: 1}, [good], good,
+            {"\ud800": 1}, {field: good, "\udc80 lone surrogate": 1}])).encode(),
         "wrong content type": lambda: b"texts=hello",
         "double-encoded": lambda: json.dumps(good_body.decode()).encode(),
         "encoded body": lambda: gzip.compress(good_body),

@@ -17,6 +17,21 @@ from slm_core.spec import RuntimeSpec, TaskSpec
 
 
 class Engine(engine.Engine):
+    """The runtime with the Python API of its task's kind."""
+
+    def score(self, texts: list[str]) -> list[list[float]]:
+        """One row per text over the task's labels, in their order (probabilities, or logits)."""
+        return self._api("score", texts)
+
+    def beam(self, prompt: str) -> list[dict[str, Any]]:
+        """The W candidates, best first: text, token ids (the stop token included), log-probability."""
+        return self._api("beam", prompt)
+
+    def _api(self, method: str, value: Any) -> Any:
+        if self.task.api != method:
+            raise TypeError(f"this engine runs a {self.task.api!r} task: call engine.{self.task.api}(...)")
+        return self.run_one(value)
+
     @classmethod
     def from_checkpoint(cls, path: "str | Path", task: "str | Path | Mapping[str, Any] | TaskSpec",
                         device: str = "cpu") -> "Engine":

@@ -34,7 +34,8 @@ def bounded(message: str, limit: int = MAX_ERROR_CHARS) -> str:
 
 
 def names(keys) -> str:
-    """A few field names, each cut short, for an error message: a hostile body may hold millions."""
+    """A few field names, each cut short and escaped (a name may hold a lone surrogate, which UTF-8
+    cannot carry), for an error message: a hostile body may hold millions."""
     shown = sorted(str(k) for k in keys)[:5]
     more = len(keys) - len(shown)
-    return ", ".join(json.dumps(bounded(k, 32), ensure_ascii=False) for k in shown) + (f" and {more} more" if more > 0 else "")
+    return ", ".join(json.dumps(bounded(k, 32)) for k in shown) + (f" and {more} more" if more > 0 else "")

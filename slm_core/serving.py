@@ -14,7 +14,8 @@ deadline (the rest is for HTTP, TorchServe and the handler's own work, 2-5 ms on
 jitter), at least 1 per GPU.
 """
 
-from dataclasses import dataclass, fields
+import math
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from slm_core.errors import SpecError
@@ -42,8 +43,10 @@ class ServingOptions:
             value = getattr(self, name)
             if value is not None and (type(value) is not int or value < 1):
                 raise SpecError(f"serving option {name} must be a positive integer, got {value!r}")
-        if self.deadline_ms is not None and not self.deadline_ms > 0:
-            raise SpecError(f"serving option deadline_ms must be positive, got {self.deadline_ms!r}")
+        if self.deadline_ms is not None and not 0 < self.deadline_ms < math.inf:
+            raise SpecError(f"serving option deadline_ms must be a positive number, got {self.deadline_ms!r}")
+        if type(self.cuda_graphs) is not bool:
+            raise SpecError(f"serving option cuda_graphs must be true or false, got {self.cuda_graphs!r}")
         if type(self.batch_delay_ms) is not int or self.batch_delay_ms < 1:
             # TorchServe 0.12 reads a maxBatchDelay below 1 in an archive as unset: 100 ms per batch
             raise SpecError(f"batch delay {self.batch_delay_ms!r} ms: TorchServe reads a maxBatchDelay below 1 "
@@ -87,11 +90,12 @@ class ServingSpec:
     def from_model_config(cls, config: Mapping[str, Any]) -> "ServingSpec":
         """The spec an archive's model-config.yaml holds (TorchServe hands it to the handler)."""
         own = dict(config.get(HANDLER) or {})
-        known = {f.name for f in fields(cls)}
-        unknown = set(own) - known
+        unknown = set(own) - {"cuda_graphs", "deadline_ms"}
         if unknown:
             raise SpecError(f"unknown keys {sorted(unknown)} in model-config.yaml's {HANDLER!r} section "
-                            f"(known: cuda_graphs, deadline_ms): rebuild or reconfigure the archive")
+                            "(known: cuda_graphs, deadline_ms): rebuild the archive with this version")
+        if type(own.get("cuda_graphs", True)) is not bool:
+            raise SpecError(f"model-config.yaml's cuda_graphs must be true or false, got {own['cuda_graphs']!r}")
         return cls(device="cuda" if config.get("deviceType") == "gpu" else "cpu",
                    workers=int(config.get("minWorkers", 1)), batch=int(config.get("batchSize", 1)),
                    queue=int(config.get("jobQueueSize", CPU_QUEUE)),

@@ -3,14 +3,16 @@ truncated. The engine packs the ids into a call's preallocated buffers (slm_core
 
 Special tokens (`<|im_end|>`, ...) are matched in the template only: a user's text that spells one
 is tokenized as the characters it is, so it can neither end the prompt nor open a turn of its own
-(the task key allow_special_tokens matches them in the text too).
+(the task key allow_special_tokens matches them in the text too). For a tokenizer whose pieces
+encode differently alone than in the whole string (a Metaspace pre-tokenizer that marks only the
+string's start, say), such a text is refused instead.
 """
-
-import re
 
 import tokenizers
 
 from slm_core.errors import InputError, SpecError, json_type
+
+PROBES = ("probe", " two words, 12", "x\ny")  # texts without special tokens: the piecewise path must equal the whole
 
 
 class PackedTokenizer:
@@ -25,13 +27,16 @@ class PackedTokenizer:
         # No token decodes to more characters than its vocabulary spelling has, so a text longer
         # than bound × longest spelling cannot fit: refuse it before spending time tokenizing it.
         self._longest_token = max(len(t) for t in tokenizer.get_vocab(with_added_tokens=True))
-        specials = sorted({t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}, key=len)
-        self._escape = bool(specials) and not allow_special_tokens
+        self._specials = {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+        self._escape = bool(self._specials) and not allow_special_tokens
         if self._escape:
-            self._special = re.compile("|".join(re.escape(t) for t in reversed(specials)))
+            # the template's own special tokens, counted with a stand-in text that spells none
+            self._template_specials = self._count_specials(self.tokenizer.encode(self.apply_template("x")).ids)
             self._literal = tokenizers.Tokenizer.from_str(tokenizer.to_str())  # special tokens as plain text
             self._literal.encode_special_tokens = True
             self._segments = self._template_segments()
+            whole = [enc.ids for enc in self.tokenizer.encode_batch_fast([self.apply_template(p) for p in PROBES])]
+            self._faithful = all(self._encode_literal(p) == ids for p, ids in zip(PROBES, whole))
 
     # --- build-time lookups -------------------------------------------------------------------
     def first_tokens(self, strings: tuple[str, ...], what: str) -> list[int]:
@@ -74,14 +79,17 @@ class PackedTokenizer:
             raise InputError(f"{where} is not valid Unicode: a lone surrogate \\u{ord(text[e.start]):04x} "
                              f"at character {e.start}") from None
 
-    def encode(self, texts: list[str]) -> list[list[int]]:
-        """Each text's token ids with the template, in one parallel pass; a text that spells a
-        special token is tokenized again, literally (allow_special_tokens: as it is)."""
-        ids = [enc.ids for enc in self.tokenizer.encode_batch_fast([self.apply_template(s) for s in texts])]
+    def encode(self, texts: list[str]) -> "list[list[int] | InputError]":
+        """Each text's token ids with the template, in one parallel pass. A text that spells a
+        special token is tokenized again, literally, or refused where this tokenizer's pieces do
+        not encode as the whole does (allow_special_tokens: taken as it is)."""
+        ids: list = [enc.ids for enc in self.tokenizer.encode_batch_fast([self.apply_template(s) for s in texts])]
         if self._escape:
             for i, text in enumerate(texts):
-                if self._injected(text):
-                    ids[i] = self._encode_literal(text)
+                if self._count_specials(ids[i]) != self._template_specials:
+                    ids[i] = self._encode_literal(text) if self._faithful else InputError(
+                        "spells a special token, which this task's tokenizer cannot take as plain text (task key "
+                        "allow_special_tokens)")
         return ids
 
     def decode(self, ids: list[int]) -> str:
@@ -95,25 +103,24 @@ class PackedTokenizer:
         return [decode(ids, skip_special_tokens=True) for ids in sequences]
 
     # --- special tokens in the template only --------------------------------------------------
+    def _count_specials(self, ids: list[int]) -> int:
+        specials = self._specials
+        return sum(1 for i in ids if i in specials)
+
     def _template_segments(self) -> list[tuple[str, bool]]:
         """The template cut at its own special tokens, as the tokenizer matches them: (piece,
         whether it holds the placeholder). A piece with the placeholder is where user text goes;
         the tokenizer never matches a special token across a piece boundary."""
         template, placeholder = self.template, self.placeholder
         enc = self.tokenizer.encode(template, add_special_tokens=False)
-        special_ids = {i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special}
         segments, at = [], 0
         for token, (start, end) in zip(enc.ids, enc.offsets):
-            if token in special_ids:
+            # a special id the template spells (not, say, an unknown-character token)
+            if self._specials.get(token) == template[start:end]:
                 segments += [(template[at:start], placeholder in template[at:start]), (template[start:end], False)]
                 at = end
         segments.append((template[at:], placeholder in template[at:]))
         return [(piece, user) for piece, user in segments if piece]
-
-    def _injected(self, text: str) -> bool:
-        """Whether a special token would be matched in a piece that holds user text."""
-        return any(user and self._special.search(piece.replace(self.placeholder, text))
-                   for piece, user in self._segments)
 
     def _encode_literal(self, text: str) -> list[int]:
         """The ids of the templated text with special tokens matched in the template's pieces only."""

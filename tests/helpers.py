@@ -5,8 +5,8 @@ import json
 
 import torch
 
+from slm_core.api import Engine
 from slm_core.build.eager import eager_engine
-from slm_core.serve.engine import Engine
 from slm_core.spec import RuntimeSpec, TaskSpec
 
 GENERATE = dict(do_sample=False, early_stopping=True, length_penalty=0.0)
@@ -63,7 +63,7 @@ def assert_same_beams(ours: list[dict], ref: list[tuple[list[int], float]], tol:
 def engine_for(ckpt, device: "str | RuntimeSpec" = "cpu", **task) -> Engine:
     """An eager engine on an already loaded checkpoint (fp32 unless the task says otherwise)."""
     runtime = device if isinstance(device, RuntimeSpec) else RuntimeSpec(device)
-    return eager_engine(ckpt, TaskSpec.from_dict({"precision": "fp32", **task}), runtime)
+    return eager_engine(ckpt, TaskSpec.from_dict({"precision": "fp32", **task}), runtime, Engine)
 
 
 def text_ids(engine: Engine, texts: list[str]) -> list[list[int]]:

@@ -6,7 +6,7 @@ task's bounds (which the admission rule plans with). Each judges answers through
 from dataclasses import dataclass
 from typing import Any
 
-from slm_core.errors import SpecError
+from slm_core.errors import InputError, SpecError
 from slm_core.serve.engine import Engine
 from slm_core.tasks import Difference, Task
 
@@ -31,7 +31,6 @@ EVAL_TEXTS = CHECK_TEXTS + [
     "kids bicycle 20 inch with gears",
     "symptoms of a cold versus the flu",
 ]
-GATE_REQUESTS = 8  # evaluation requests at most (a beam prompt's call is the costly one)
 
 
 @dataclass(frozen=True)
@@ -44,7 +43,8 @@ class GateThresholds:
 
 def fitting(task: Task, texts: list[str]) -> list[str]:
     """The texts that fit the task's token bound with its template."""
-    fit = [t for t, ids in zip(texts, task.tokenizer.encode(texts)) if len(ids) <= task.sequence_tokens]
+    fit = [t for t, ids in zip(texts, task.tokenizer.encode(texts))
+           if not isinstance(ids, InputError) and len(ids) <= task.sequence_tokens]
     if not fit:
         raise SpecError("no check text fits the task bounds: does the template alone exceed them?")
     return fit
@@ -81,7 +81,7 @@ def fp8_gate(reference: Engine, quantized: Engine, thresholds: GateThresholds) -
     worth of texts at a time; SpecError when it fails the thresholds."""
     task = reference.task
     samples, k = fitting(task, EVAL_TEXTS), task.request_sequences
-    values = [task.request_of(samples[i : i + k]) for i in range(0, len(samples), k)][:GATE_REQUESTS]
+    values = [task.request_of(samples[i : i + k]) for i in range(0, len(samples), k)][: task.gate_requests]
     gate = task.gate(compare(reference, quantized, [[v] for v in values]), thresholds.max_diff, thresholds.min_shared)
     if not gate.pop("passes"):
         raise SpecError(f"the {quantized.task.spec.precision} build fails its accuracy gate against bf16: {gate} "

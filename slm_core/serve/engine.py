@@ -2,7 +2,7 @@
 preallocated at load.
 
     results = engine.run([value, ...])   # up to max_batch request values, one graph call
-    engine.score(texts) / engine.beam(prompt)   # the Python API of the task's kind
+    answer = engine.run_one(value)       # one request; its InputError raised
 """
 
 import contextlib
@@ -75,24 +75,13 @@ class Engine:
     def tokenizer(self):
         return self.task.tokenizer
 
-    # --- the Python API -----------------------------------------------------------------------
-    def score(self, texts: list[str]) -> list[list[float]]:
-        """One row per text over the task's labels, in their order (probabilities, or logits)."""
-        return self._api("score", texts)
-
-    def beam(self, prompt: str) -> list[dict[str, Any]]:
-        """The W candidates, best first: text, token ids (the stop token included), log-probability."""
-        return self._api("beam", prompt)
-
-    def _api(self, method: str, value: Any) -> Any:
-        if self.task.api != method:
-            raise TypeError(f"this engine runs a {self.task.api!r} task: call engine.{self.task.api}(...)")
+    def run_one(self, value: Any) -> Any:
+        """One request value's answer, in a call of its own; InputError when it is refused."""
         (result,) = self.run([value])
         if result.error is not None:
             raise result.error
         return result.answer
 
-    # --- the request path ---------------------------------------------------------------------
     def run(self, values: list[Any]) -> list[Result]:
         """Up to max_batch request values in one graph call, packed one after another. Per value,
         in order, its Result; a refused one does not hold back the others."""

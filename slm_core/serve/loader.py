@@ -7,9 +7,11 @@ A worker imports only serve-time code: the compiled graph replaces the Python mo
 
 import atexit
 import contextlib
+import fcntl
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -22,7 +24,8 @@ from slm_core.serve.replay import CudaGraphs
 from slm_core.spec import TaskSpec
 from slm_core.tasks import Task, task_for
 
-SCRATCH = "slm-aoti"  # under TMPDIR: one directory per process that loads packages
+SCRATCH = "slm-aoti"  # under TMPDIR, one root per user: one directory per process that loads packages
+_mine: tuple[Path, object] | None = None  # this process's directory and the lock it holds on it
 
 
 def load_package(model_dir: "str | Path", gpu_id: int | None = None, cuda_graphs: bool = True,
@@ -74,10 +77,10 @@ def load_task(model_dir: Path, manifest: dict) -> Task:
 
 def load_graph(path: str, **kwargs):
     """torch._inductor.aoti_load_package(path, **kwargs), extracting the package (its .so holds
-    the weights: hundreds of MB) into this process's own directory under TMPDIR/slm-aoti. The
-    loader removes its extraction only when destroyed, which a worker that is killed or exits
-    never does: so the directory goes at this process's exit, and the directories of processes
-    that are gone are removed here first."""
+    the weights: hundreds of MB) into this process's own directory under TMPDIR/slm-aoti-UID.
+    The loader removes its extraction only when destroyed, which a worker that TorchServe kills
+    never is: so the directories of processes that are gone are removed here first, and this
+    process's at its exit where it gets one."""
     scratch = _scratch()
     with _env("TMPDIR", str(scratch)):  # where AOTInductor's C++ loader extracts to
         return torch._inductor.aoti_load_package(path, **kwargs)
@@ -97,28 +100,34 @@ def _env(name: str, value: str):
 
 
 def _scratch() -> Path:
-    """TMPDIR/slm-aoti/PID, after removing the directories of pids that no process has. (A pid
-    the system gave to an unrelated process since keeps its directory until that one is gone.)"""
-    root = Path(tempfile.gettempdir()) / SCRATCH  # gettempdir() caches the real TMPDIR before _env changes it
-    root.mkdir(exist_ok=True)
-    mine = root / str(os.getpid())
-    for stale in root.iterdir():
-        if stale != mine and stale.name.isdigit() and not _alive(int(stale.name)):
-            shutil.rmtree(stale, ignore_errors=True)
-    if not mine.exists():
-        mine.mkdir()
+    """This process's directory, PID-random, holding an exclusive lock on its .lock for the
+    process's life: a directory whose lock can be taken belongs to no live process (in any PID
+    namespace that shares TMPDIR), and is removed before this one is made."""
+    global _mine
+    if _mine is None:
+        root = Path(tempfile.gettempdir()) / f"{SCRATCH}-{os.getuid()}"  # cached before _env changes TMPDIR
+        root.mkdir(mode=0o700, exist_ok=True)
+        for other in root.iterdir():
+            _remove_if_stale(other)
+        mine = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=root))
+        lock = open(mine / ".lock", "w")
+        fcntl.flock(lock, fcntl.LOCK_EX)
         atexit.register(shutil.rmtree, mine, ignore_errors=True)
-    return mine
+        _mine = (mine, lock)
+    return _mine[0]
 
 
-def _alive(pid: int) -> bool:
+def _remove_if_stale(directory: Path) -> None:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
+        with open(directory / ".lock") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while its process lives
+            shutil.rmtree(directory, ignore_errors=True)
+    except FileNotFoundError:  # no lock: being made (a second ago), or left half made
+        with contextlib.suppress(OSError):
+            if time.time() - directory.stat().st_mtime > 60:
+                shutil.rmtree(directory, ignore_errors=True)
+    except OSError:  # held: its process lives
         pass
-    return True
 
 
 def worker_device(gpu_id: int | None) -> torch.device:

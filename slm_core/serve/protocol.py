@@ -8,6 +8,7 @@ it. Nothing here raises.
 
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -16,6 +17,7 @@ from slm_core.serve.engine import CallStats, Engine
 
 log = logging.getLogger(__name__)
 MAX_DIGITS = 32  # of an integer in a request body: a bound of the protocol, not of Python
+LONG_DIGITS = re.compile(rf"\d{{{MAX_DIGITS + 1}}}")  # a body that may hold a longer one
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,9 @@ def encode(obj: Any) -> bytes:
 
 
 def error(status: int, message: str) -> Reply:
-    return Reply(status, encode({"error": bounded(message)}))
+    """An error reply that cannot fail: bounded, and what UTF-8 cannot carry escaped."""
+    safe = bounded(message).encode("utf-8", "backslashreplace").decode("utf-8")
+    return Reply(status, encode({"error": safe}))
 
 
 def request_body(request: Request) -> object:
@@ -78,8 +82,10 @@ def parse_body(body: object) -> Any:
             text = bytes(body).decode("utf-8")
         except UnicodeDecodeError as e:
             raise InputError(f"request body is not valid UTF-8 (byte {e.start})") from None
+        # the digit bound's hook costs a Python call per integer: only where a long run of digits is
+        parse_int = _int if LONG_DIGITS.search(text) else None
         try:
-            return json.loads(text, parse_int=_int, parse_constant=_constant)
+            return json.loads(text, parse_int=parse_int, parse_constant=_constant)
         except RecursionError:
             raise InputError("request body nests arrays or objects too deeply to parse "
                              "(a request nests them 2 deep)") from None

@@ -134,7 +134,8 @@ class CudaGraphs:
         return len(self.graphs)
 
     def _capture(self, n: int, t: int, stream: torch.cuda.Stream):
-        """Capture on `stream`, after a first run there outside the capture (lazy initialisation).
+        """Capture on `stream`, after a first run there outside the capture (lazy initialisation),
+        then replay once: a graph that faults on replay does so at load, not on a request.
         PyTorch keeps a cuBLAS workspace per (handle, stream) and a graph bakes in the one of the
         stream it was captured on: the first run allocates the stream's own, outside the pool."""
         args = (self.ids[:t], self.cu[: n + 1])
@@ -143,4 +144,5 @@ class CudaGraphs:
         with torch.cuda.graph(graph, pool=self.pool, stream=stream):
             outputs = self.graph(*args)
         self.pool = graph.pool()
+        graph.replay()
         return graph, outputs

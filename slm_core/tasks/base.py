@@ -47,6 +47,7 @@ class Task(ABC):
     # compiled against eager on the check inputs: the largest allowed |difference| per precision
     tolerance: ClassVar[dict[str, float]]
     min_shared: ClassVar[dict[str, float]] = {}  # and the least share of items in common
+    gate_requests: ClassVar[int | None] = None  # the FP8 gate's evaluation requests at most (None: every text)
 
     def __init__(self, spec: TaskSpec, tokenizer: Tokenizer):
         if spec.max_batch is None:

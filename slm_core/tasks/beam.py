@@ -32,6 +32,7 @@ class BeamTask(Task):
     # check guards against a broken compile only, and its accuracy criterion is the gate against bf16.
     tolerance: ClassVar[dict[str, float]] = {"fp32": 1e-3, "bf16": 0.25, "fp8-static": 0.5}
     min_shared: ClassVar[dict[str, float]] = {"fp32": 1.0, "bf16": 0.75, "fp8-static": 0.5}
+    gate_requests = 8  # a prompt's call is the costly one
 
     def __init__(self, spec, tokenizer):
         super().__init__(spec, tokenizer)
@@ -70,7 +71,7 @@ class BeamTask(Task):
                 out.append(e)
         valid = [i for i, o in enumerate(out) if o is None]
         for i, ids in zip(valid, self.tokenizer.encode([values[i] for i in valid])):
-            out[i] = [ids] if len(ids) <= bound else InputError(
+            out[i] = InputError(f"prompt {ids}") if isinstance(ids, InputError) else [ids] if len(ids) <= bound else InputError(
                 f"prompt is {len(ids)} tokens with the template, over max_prompt_tokens={bound}",
                 bound="max_prompt_tokens", limit=bound)
         return out

@@ -11,8 +11,6 @@ class LabelsTask(TextsTask):
 
     def __init__(self, spec, tokenizer):
         super().__init__(spec, tokenizer)
-        if len(spec.labels) < 2:
-            raise SpecError("a score task needs at least two 'labels'")
         self.label_ids = self.tokenizer.first_tokens(spec.labels, "label")
         if len(set(self.label_ids)) != len(self.label_ids):
             raise SpecError(f"labels {list(spec.labels)} do not start with distinct tokens: {self.label_ids}")

@@ -25,6 +25,8 @@ class TextsTask(Task):
         super().__init__(spec, tokenizer)
         if spec.output not in ("probs", "logits"):
             raise SpecError(f"task key 'output' must be 'probs' or 'logits', got {spec.output!r}")
+        if len(spec.labels) < 2:  # a classifier's come from its checkpoint (ClassifierGraph.resolve)
+            raise SpecError("a score task needs at least two 'labels'")
 
     @property
     def request_sequences(self) -> int:
@@ -42,15 +44,22 @@ class TextsTask(Task):
         out: list = [self._refusal(texts) for texts in values]
         valid = [texts for texts, refused in zip(values, out) if refused is None]
         encoded = iter(self.tokenizer.encode([text for texts in valid for text in texts]))
-        bound = self.spec.max_text_tokens
         for i, texts in enumerate(values):
             if out[i] is None:
-                ids = [next(encoded) for _ in texts]
-                over = next((j for j, seq in enumerate(ids) if len(seq) > bound), None)
-                out[i] = ids if over is None else InputError(
-                    f"texts[{over}] is {len(ids[over])} tokens with the template, over max_text_tokens={bound}",
-                    bound="max_text_tokens", limit=bound)
+                out[i] = self._within_bounds([next(encoded) for _ in texts])
         return out
+
+    def _within_bounds(self, ids: list) -> "list[list[int]] | InputError":
+        """A request's ids, or the InputError of its first text the tokenizer refused or that is
+        over the token bound."""
+        bound = self.spec.max_text_tokens
+        for j, seq in enumerate(ids):
+            if isinstance(seq, InputError):
+                return InputError(f"texts[{j}] {seq}")
+            if len(seq) > bound:
+                return InputError(f"texts[{j}] is {len(seq)} tokens with the template, over max_text_tokens={bound}",
+                                  bound="max_text_tokens", limit=bound)
+        return ids
 
     def _refusal(self, texts: Any) -> InputError | None:
         try:

@@ -10,6 +10,7 @@ import yaml
 from helpers import CLASSIFIER_NAMES as NAMES
 from helpers import CLASSIFIER_TEXTS as TEXTS
 from helpers import classifier_checkpoint, hf_rows
+from slm_core import Engine
 
 
 @pytest.mark.slow
@@ -29,7 +30,7 @@ def test_classifier_archive_serves_through_torchserve(tmp_path):
     assert main(["build", "--checkpoint", str(tmp_path / "ckpt"), "--task", str(task), "--model-name", "intent",
                  "--export-path", str(store)]) == 0
     zipfile.ZipFile(store / "intent.mar").extractall(tmp_path / "unpacked")
-    engine = load_package(tmp_path / "unpacked")
+    engine = load_package(tmp_path / "unpacked", engine=Engine)
     (tmp_path / "ts").mkdir()
     server = TorchServe(tmp_path / "ts", store).start()
     try:

@@ -13,6 +13,7 @@ import pytest
 from slm_core.serve.loader import load_package
 from slm_core.serve.protocol import Request, respond
 from handlers.local_server import TorchServe, http
+from slm_core import Engine
 
 
 def copy_archive(src, dst, member: str, edit) -> None:
@@ -37,7 +38,7 @@ def server(archives, tmp_path_factory):
 
 
 def test_answers_equal_the_engine_and_repeat_byte_identical(server, archives):
-    score_engine, beam_engine = load_package(archives["tiny_score"]), load_package(archives["tiny_beam"])
+    score_engine, beam_engine = Engine.from_package(archives["tiny_score"]), Engine.from_package(archives["tiny_beam"])
     texts = ["search engines rank documents", "a", "the lazy dog"]
     status, body = server.predict("tiny_score", json.dumps({"texts": texts}).encode())
     assert status == 200
@@ -67,7 +68,7 @@ def test_scale_to_two_workers_both_answer(server, archives):
     assert len(workers) == 2 and all(w["status"] == "READY" for w in workers)
     assert len({w["pid"] for w in workers}) == 2
 
-    engine = load_package(archives["tiny_score"])
+    engine = Engine.from_package(archives["tiny_score"])
     requests = [[f"query number {i}", "search"] for i in range(24)]
     results: dict[int, tuple] = {}
 
@@ -212,7 +213,7 @@ def test_a_worker_killed_under_load_comes_back_and_no_request_hangs(server, arch
     server.register("tiny_kill.mar", name="tiny_kill")
     url = f"{server.inference}/predictions/tiny_kill"
     texts = ["search engines rank documents for a query", "a second text"]
-    expected = load_package(archives["tiny_score"]).score(texts)
+    expected = load_package(archives["tiny_score"], engine=Engine).score(texts)
     results: list[tuple[float, float, int, bytes]] = []
     stop = threading.Event()
 
@@ -245,7 +246,7 @@ def test_a_worker_killed_under_load_comes_back_and_no_request_hangs(server, arch
         # one removed it as it loaded. One extraction per live worker, none at TMPDIR's top.
         tmp = server.workdir / "tmp"
         live = {str(w["pid"]) for m in ("tiny_score", "tiny_beam", "tiny_kill") for w in server.workers(m)}
-        extracted = {d.name for d in (tmp / "slm-aoti").iterdir()}
+        extracted = {d.name.split("-")[0] for d in (tmp / f"slm-aoti-{os.getuid()}").iterdir()}
         assert extracted <= live and str(worker["pid"]) not in extracted, (extracted, live)
         assert not list(tmp.glob("aotinductor_*"))
     finally:
@@ -297,7 +298,7 @@ def test_a_full_queue_refuses_at_once_and_nothing_hangs(server, archives):
     TorchServe's immediate 503 JSON, none hangs."""
     status, body = http("GET", f"{server.management}/models/tiny_score")
     assert json.loads(body)[0]["jobQueueStatus"]["remainingCapacity"] == 30, body
-    engine = load_package(archives["tiny_score"])
+    engine = Engine.from_package(archives["tiny_score"])
     texts = ["search engines rank documents for a query"] * 8  # max_texts
     expected = engine.score(texts)
     results = []

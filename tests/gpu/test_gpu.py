@@ -11,6 +11,7 @@ from slm_core.build.checkpoint import load_checkpoint
 from slm_core.build.checks import GateThresholds, fp8_gate
 from slm_core.build.export import compile_package, export_graph
 from slm_core.spec import RuntimeSpec
+from slm_core import Engine
 
 RANDOM_TEXTS = ["search", "a small language model scores texts", "is this query about shopping?",
                 "the lazy dog " * 12, "12, 345 and 6789"]
@@ -108,7 +109,7 @@ def test_cuda_archive_serves_through_torchserve(random_checkpoint, tmp_path):
     assert config["minWorkers"] == config["maxWorkers"] == 2 and config["batchSize"] == 2  # max_batch 4 (CUDA default)
     assert manifest["device"] == "cuda" and manifest["versions"]["capability"] == list(torch.cuda.get_device_capability())
     assert manifest["kernels"] == "triton" and manifest["task"]["max_batch"] == 4  # the CUDA defaults
-    compiled = load_package(unpacked, gpu_id=0)
+    compiled = load_package(unpacked, gpu_id=0, engine=Engine)
     assert compiled.device == torch.device("cuda", 0)
     eager = engine_for(load_checkpoint(folder), "cuda", **task)
     for row, ref in zip(compiled.score(RANDOM_TEXTS), eager.score(RANDOM_TEXTS)):
@@ -324,7 +325,7 @@ SECOND_GPU = """
 import json, sys, torch
 from slm_core.serve.loader import load_package
 engine = load_package(sys.argv[1], gpu_id=1)
-rows = engine.score(json.loads(sys.argv[2]))
+rows = engine.run_one(json.loads(sys.argv[2]))
 print(json.dumps({"device": str(engine.device), "current": torch.cuda.current_device(), "rows": rows,
                   "reserved": [torch.cuda.memory_reserved(i) for i in range(2)],
                   "replayed": len(engine.context.replay.graphs)}))
@@ -358,7 +359,7 @@ def test_two_gpus_one_package_workers_on_each(random_checkpoint, tmp_path):
     unpacked = tmp_path / "unpacked"
     zipfile.ZipFile(store / "two.mar").extractall(unpacked)
     assert yaml.safe_load((unpacked / "model-config.yaml").read_text())["deviceIds"] == [0, 1]
-    on_first = load_package(unpacked, gpu_id=0).score(RANDOM_TEXTS)
+    on_first = load_package(unpacked, gpu_id=0, engine=Engine).score(RANDOM_TEXTS)
 
     repo = Path(__file__).resolve().parents[2]
     run = subprocess.run([sys.executable, "-c", SECOND_GPU, str(unpacked), json.dumps(RANDOM_TEXTS)], cwd=repo,

@@ -14,7 +14,7 @@ import torch
 
 from handlers.slm_handler import SlmHandler, workers_share_a_gpu
 from mock_ts import MockContext
-from slm_core import SpecError
+from slm_core import Engine, SpecError
 from slm_core.manifest import MANIFEST
 from slm_core.serve.loader import load_package
 from slm_core.serving import ServingSpec
@@ -49,7 +49,7 @@ def test_a_batch_of_good_and_bad_requests_gets_an_answer_each(archives):
     assert "not valid JSON" in bodies[1]["error"] and "must be an array of strings" in bodies[2]["error"]
     assert 'form fields "hello"' in bodies[4]["error"] and "Content-Encoding 'gzip'" in bodies[5]["error"]
     # The two good requests shared one graph call (max_batch: 3); each equals its own call.
-    assert bodies[3]["scores"][0] == pytest.approx(handler.engine.score(["the lazy dog"])[0], abs=1e-6)
+    assert bodies[3]["scores"][0] == pytest.approx(handler.engine.run_one(["the lazy dog"])[0], abs=1e-6)
     assert ctx.counters["SlmTexts"] == 3 and ctx.counters["SlmTokens"] > 3 and ctx.counters["SlmGraphTime"] > 0
     assert ctx.counters["SlmBatchedRequests"] == 2
 
@@ -86,7 +86,7 @@ def test_a_worker_serves_with_the_build_time_modules_unimportable(archives, tmp_
     assert served["status"] == 200
     assert not [m for m in served["modules"] if m.startswith(("slm_core.build", "slm_core.api"))]
     assert "slm_core.serve.engine" in served["modules"] and "slm_core.tasks.beam" in served["modules"]
-    expected = load_package(archives["tiny_beam"]).beam("a small language model")
+    expected = load_package(archives["tiny_beam"], engine=Engine).beam("a small language model")
     assert [c["token_ids"] for c in json.loads(served["body"])["candidates"]] == [c["token_ids"] for c in expected]
 
 

@@ -16,6 +16,7 @@ from slm_core.build.checks import GateThresholds, fp8_gate
 from slm_core.build.fp8 import (CALIBRATION_TEXTS, STATIC_HEADROOM, StaticFp8Linear, StaticFp8MLP, calibrate,
                                 quantize_linears, static_linears)
 from slm_core.spec import TaskSpec
+from slm_core import Engine
 
 SCORE = dict(task="score", labels=["yes", "no"], max_texts=4, max_text_tokens=32)
 BEAM = dict(task="beam", beam_width=4, new_tokens=3, max_prompt_tokens=24)
@@ -115,6 +116,6 @@ def test_fp8_score_build_compiles_matches_eager_and_records_its_gate(random_chec
     assert manifest["fp8_gate"]["max_abs_diff"] < 0.1 and manifest["check"]["max_abs_diff"] <= 5e-2
     eager = engine_for(ckpt, **SCORE, precision="fp8-static")
     texts = ["search engines rank documents", "a"]
-    for row, ref in zip(load_package(tmp_path / "pkg").score(texts), eager.score(texts)):
+    for row, ref in zip(load_package(tmp_path / "pkg", engine=Engine).score(texts), eager.score(texts)):
         # Inductor rounds a few values to the next E4M3 step
         assert row == pytest.approx(ref, abs=LabelsTask.tolerance["fp8-static"])

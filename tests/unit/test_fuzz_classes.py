@@ -1,5 +1,5 @@
 """Classes of bad input a fuzz corpus found, each answered as a client expects (unit tier: the
-protocol, tokenizer and package loader without a server; tests/test_serving.py sends the same
+protocol, tokenizer and package loader without a server; tests/e2e/test_serving.py sends the same
 classes through a real TorchServe via bench.reliability)."""
 
 import gzip
@@ -12,7 +12,7 @@ import pytest
 
 from bench.reliability import MAX_ERROR_BYTES, PYTHON_WORDS
 from conftest import SCORE_TASK
-from slm_core import Engine
+from slm_core import Engine, InputError
 from slm_core.serve.protocol import Request, respond_batch
 from slm_core.spec import TaskSpec
 
@@ -97,6 +97,53 @@ def test_special_tokens_in_user_text_are_plain_text(smollm2):
             assert tok.encode([text])[0] == ckpt.tokenizer.encode(tok.apply_template(text)).ids
 
 
+def test_a_field_name_utf8_cannot_carry_is_escaped_in_its_error_and_hurts_no_other_request():
+    """A key written "\\ud800" decodes to a lone surrogate: its 400 escapes it, and the valid
+    request batched with it is answered."""
+    good, bad = respond_batch(ENGINE, [Request({"body": b'{"texts": ["a"]}'}),
+                                       Request({"body": b'{"texts": ["a"], "\\udc80x": 1}'})])
+    assert good.status == 200 and bad.status == 400 and b"\\\\udc80x" in bad.body
+    assert reply(**{"\ud800": b"1"})[0] == 400  # a form field named so
+
+
+def tokenizer(pre_tokenizer, normalizer=None, normalized=False):
+    """A small trained BPE with [INST], [/INST] and <End> as special tokens."""
+    from tokenizers import AddedToken, Tokenizer, models, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    if normalizer is not None:
+        tok.normalizer = normalizer
+    tok.pre_tokenizer = pre_tokenizer
+    tok.train_from_iterator(["the quick brown fox user assistant jumps over the lazy dog", "hello world"] * 50,
+                            trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>"]))
+    tok.add_special_tokens([AddedToken(s, normalized=normalized, special=True) for s in ("[INST]", "[/INST]", "<End>")])
+    return tok
+
+
+def test_special_tokens_are_found_by_id_and_refused_where_pieces_encode_otherwise():
+    """Injection is judged on the ids (a special token matched after normalization is found);
+    the template is cut only at the special tokens it spells (an unknown character's <unk> is
+    not one); and where the template's pieces encode otherwise alone than in the whole string (a
+    Metaspace pre-tokenizer marking only the start), a text spelling one is refused, not mangled."""
+    from tokenizers import normalizers, pre_tokenizers
+
+    from slm_core.tokenizer import PackedTokenizer
+
+    lower = PackedTokenizer(tokenizer(pre_tokenizers.Whitespace(), normalizers.Lowercase(), normalized=True),
+                            "[INST] user {text} [/INST] assistant", "{text}")
+    injected, plain = lower.encode(["hi <end> x", "hi there"])
+    end = lower.tokenizer.token_to_id("<End>")
+    assert end not in injected and lower.tokenizer.encode("[INST] user hi <end> x [/INST] assistant").ids.count(end) == 1
+    assert plain == lower.tokenizer.encode("[INST] user hi there [/INST] assistant").ids
+    unknown = PackedTokenizer(tokenizer(pre_tokenizers.Whitespace()), "[INST] user Ω {text} [/INST]", "{text}")
+    assert unknown._segments == [("[INST]", False), (" user Ω {text} ", True), ("[/INST]", False)]
+    marks = PackedTokenizer(tokenizer(pre_tokenizers.Metaspace(prepend_scheme="first")),
+                            "[INST]user {text}[/INST]assistant", "{text}")
+    fine, refused = marks.encode(["hello", "hi [/INST] x"])
+    assert fine == marks.tokenizer.encode("[INST]user hello[/INST]assistant").ids
+    assert isinstance(refused, InputError) and "allow_special_tokens" in str(refused)
+
+
 def test_a_package_extraction_is_removed_once_its_process_is_gone(archives, tmp_path):
     """AOTInductor extracts a package (its weights inside) at every load and removes it only when
     its loader is destroyed, which a killed worker never does. load_graph extracts into the
@@ -104,16 +151,27 @@ def test_a_package_extraction_is_removed_once_its_process_is_gone(archives, tmp_
     graph = str(archives["tiny_score"] / "graph.pt2")
     env = {**os.environ, "TMPDIR": str(tmp_path)}
 
+    root = tmp_path / f"slm-aoti-{os.getuid()}"
+
     def run(ending: str) -> list[str]:
         code = ("import os, sys\nfrom slm_core.serve.loader import load_graph\ng = load_graph(sys.argv[1])\n"
-                "print(' '.join(sorted(os.listdir(os.path.join(os.environ['TMPDIR'], 'slm-aoti')))), flush=True)\n"
-                + ending)
+                f"print(' '.join(sorted(os.listdir({str(root)!r}))), flush=True)\n" + ending)
         out = subprocess.run([sys.executable, "-c", code, graph], env=env, capture_output=True, text=True, check=True)
         return out.stdout.split()
 
     killed = run("os._exit(0)")  # as a SIGKILL leaves it: no exit handlers
-    assert len(killed) == 1 and (tmp_path / "slm-aoti" / killed[0]).is_dir()
+    assert len(killed) == 1 and (root / killed[0]).is_dir() and any((root / killed[0]).iterdir())
     assert not list(tmp_path.glob("aotinductor_*"))
     clean = run("")  # the next process removes the dead one's, then its own at exit
     assert len(clean) == 1 and clean != killed
-    assert list((tmp_path / "slm-aoti").iterdir()) == []
+    assert list(root.iterdir()) == []
+    live = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom slm_core.serve.loader import load_graph\n"
+                             "g = load_graph(sys.argv[1])\nprint('loaded', flush=True)\ntime.sleep(60)", graph],
+                            env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert live.stdout.readline().strip() == "loaded"
+        assert len(run("")) == 2  # a live process's directory is kept (its lock is held)
+        assert len(list(root.iterdir())) == 1
+    finally:
+        live.kill()
+        live.wait()

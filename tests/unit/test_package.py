@@ -18,7 +18,7 @@ TEXTS = ["a", "search engines rank documents", "the lazy dog " * 4, "12, 345 and
 
 
 def test_compiled_score_equals_eager(archives):
-    compiled = load_package(archives["tiny_score"])
+    compiled = Engine.from_package(archives["tiny_score"])
     eager = Engine.from_checkpoint(archives["checkpoint"], task=SCORE_TASK)
     for texts in (TEXTS[:1], TEXTS[1:3], TEXTS):
         for row, ref in zip(compiled.score(texts), eager.score(texts)):
@@ -40,14 +40,14 @@ def test_compiled_beam_equals_eager(archives):
 def test_compiled_graphs_take_a_batch_of_any_size_up_to_max_batch(archives):
     """The archives batch requests (score max_batch 3, beam 2): every batch size from 1 to the
     bound runs in one compiled call and answers each request as its own call does."""
-    score = load_package(archives["tiny_score"])
+    score = Engine.from_package(archives["tiny_score"])
     requests = [TEXTS[:1], TEXTS[1:3], TEXTS]
     for size in (1, 2, 3):
         for texts, result in zip(requests, score.run(requests[:size])):
             assert result.stats.batch == size
             for row, ref in zip(result.answer, score.score(texts)):
                 assert row == pytest.approx(ref, abs=1e-6)
-    beam = load_package(archives["tiny_beam"])
+    beam = Engine.from_package(archives["tiny_beam"])
     prompts = ["a", "search engines rank documents for a query"]
     for size in (1, 2):
         for prompt, result in zip(prompts, beam.run(prompts[:size])):
@@ -98,10 +98,21 @@ def test_configure_writes_a_new_archive_of_the_same_package(archives, tmp_path):
     assert read_serving(tmp_path / "tiny_x2.mar") == ServingSpec("cpu", 2, 2, 7)  # two workers split max_batch 3
     with zipfile.ZipFile(src) as a, zipfile.ZipFile(tmp_path / "tiny_x2.mar") as b:
         same = [n for n in a.namelist() if not n.startswith("MAR-INF/") and n != "model-config.yaml"]
+        assert "slm_handler.py" in same  # the archive's own handler, beside the sources it was built with
         assert sorted(same) == sorted(n for n in b.namelist() if not n.startswith("MAR-INF/") and n != "model-config.yaml")
         assert all(a.read(n) == b.read(n) for n in same)
     zipfile.ZipFile(tmp_path / "tiny_x2.mar").extractall(tmp_path / "unpacked")
-    assert load_package(tmp_path / "unpacked").score(TEXTS[:2]) == load_package(archives["tiny_score"]).score(TEXTS[:2])
+    assert Engine.from_package(tmp_path / "unpacked").score(TEXTS[:2]) == Engine.from_package(
+        archives["tiny_score"]).score(TEXTS[:2])
+    # refused: writing over its source, and a package of another format (rebuild)
+    assert main(["configure", "--archive", str(src), "--export-path", str(src.parent)]) == 2
+    old = tmp_path / "old.mar"
+    with zipfile.ZipFile(src) as a, zipfile.ZipFile(old, "w") as b:
+        for item in a.infolist():
+            data = a.read(item.filename)
+            b.writestr(item, json.dumps({**json.loads(data), "format": 3}) if item.filename == MANIFEST else data)
+    assert main(["configure", "--archive", str(old), "--export-path", str(tmp_path / "o")]) == 2
+    assert main(["configure", "--archive", str(tmp_path / "unpacked" / MANIFEST), "--export-path", str(tmp_path)]) == 2
 
 
 @pytest.mark.parametrize(

@@ -47,15 +47,19 @@ def test_model_config_round_trips_and_says_what_torchserve_reads():
     assert ServingSpec.from_model_config(config) == spec
     cpu = ServingSpec("cpu", 1, 2, 30)
     assert "deviceIds" not in cpu.model_config() and ServingSpec.from_model_config(cpu.model_config()) == cpu
-    with pytest.raises(SpecError, match=r"unknown keys \['contexts'\]"):
-        ServingSpec.from_model_config({**cpu.model_config(), "handler": {"contexts": 2}})
+    for handler, message in (({"contexts": 2}, r"unknown keys \['contexts'\]"), ({"workers": 3}, "unknown keys"),
+                             ({"cuda_graphs": "false"}, "must be true or false")):
+        with pytest.raises(SpecError, match=message):
+            ServingSpec.from_model_config({**cpu.model_config(), "handler": handler})
 
 
 @pytest.mark.parametrize("options, message", [
     (dict(batch_delay_ms=0), "waits 100 ms for every batch"),
     (dict(workers=0), "workers must be a positive integer"),
     (dict(queue=-1), "queue must be a positive integer"),
-    (dict(deadline_ms=0), "deadline_ms must be positive"),
+    (dict(deadline_ms=0), "deadline_ms must be a positive number"),
+    (dict(deadline_ms=float("inf")), "deadline_ms must be a positive number"),
+    (dict(cuda_graphs="no"), "cuda_graphs must be true or false"),
     (dict(device_ids=(0, 0)), "distinct and not negative"),
 ])
 def test_options_refuse_what_torchserve_would_misread(options, message):

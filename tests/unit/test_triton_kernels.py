@@ -234,6 +234,7 @@ sys.path.insert(0, "tests")
 from conftest import RANDOM_CONFIGS, train_tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM
 from slm_core.build.checkpoint import load_checkpoint
+from slm_core.api import Engine
 from slm_core.build.eager import eager_engine
 from slm_core.spec import RuntimeSpec, TaskSpec
 out = {}
@@ -246,7 +247,7 @@ for arch in json.loads(sys.argv[1]):
     AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
     ckpt = load_checkpoint(folder)
     def engine(task, kernels):
-        return eager_engine(ckpt, TaskSpec.from_dict({"precision": "fp32", **task}), RuntimeSpec("cpu", kernels))
+        return eager_engine(ckpt, TaskSpec.from_dict({"precision": "fp32", **task}), RuntimeSpec("cpu", kernels), Engine)
     score = {"task": "score", "labels": ["yes", "no"], "max_texts": 4, "max_text_tokens": 48}
     texts = ["a", "search engines rank documents", "the lazy dog " * 4]
     a, b = engine(score, "reference").score(texts), engine(score, "triton").score(texts)
