@@ -22,7 +22,7 @@ from slm_core.build.checkpoint import load_checkpoint
 from slm_core.build.checks import GateThresholds
 from slm_core.build.package import build_package
 from slm_core.errors import SpecError
-from slm_core.manifest import FORMAT, MANIFEST
+from slm_core.manifest import MANIFEST, check_format
 from slm_core.serving import ServingOptions, ServingSpec, plan
 from slm_core.spec import RuntimeSpec, TaskSpec
 
@@ -108,9 +108,7 @@ def read_manifest(archive: "str | Path") -> dict[str, Any]:
             manifest = json.loads(z.read(MANIFEST))
     except (zipfile.BadZipFile, KeyError) as e:
         raise SpecError(f"{archive} is not an archive slm-archiver built: {e}") from None
-    if manifest.get("format") != FORMAT:
-        raise SpecError(f"{archive} holds a package of format {manifest.get('format')!r}, not {FORMAT}: rebuild it")
-    return manifest
+    return check_format(manifest)
 
 
 def read_serving(archive: "str | Path") -> ServingSpec:

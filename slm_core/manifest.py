@@ -19,15 +19,20 @@ MANIFEST, GRAPH, TOKENIZER = "manifest.json", "graph.pt2", "tokenizer.json"
 def read(package: Path) -> dict[str, Any]:
     """A package's manifest, refused (SpecError, with the reason) when this worker cannot run it:
     another format, torch version or device type."""
-    manifest = json.loads((Path(package) / MANIFEST).read_text())
-    if manifest.get("format") != FORMAT:
-        raise SpecError(f"package format {manifest.get('format')!r} is not {FORMAT}: rebuild it with this version")
+    manifest = check_format(json.loads((Path(package) / MANIFEST).read_text()))
     built = manifest["versions"]
     if built["torch"] != torch.__version__:
         raise SpecError(f"package was built with torch {built['torch']}, this worker has {torch.__version__}: "
                         "rebuild it on this machine type")
     if manifest["device"] == "cuda" and not torch.cuda.is_available():
         raise SpecError("package was built for cuda, but this worker has no CUDA device: rebuild with --device cpu")
+    return manifest
+
+
+def check_format(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The manifest, if this version reads its format (SpecError otherwise)."""
+    if manifest.get("format") != FORMAT:
+        raise SpecError(f"package format {manifest.get('format')!r} is not {FORMAT}: rebuild it with this version")
     return manifest
 
 

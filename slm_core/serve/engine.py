@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 
 from slm_core.errors import InputError
+from slm_core.serve.replay import even_split
 from slm_core.tasks import Task
 
 
@@ -102,9 +103,8 @@ class Engine:
     def synthetic_call(self, sequences: int, tokens: int) -> float:
         """A call of `sequences` sequences of about equal length holding `tokens` token ids 1, as
         the build times calls at the task's bounds; returns its milliseconds."""
-        even = [tokens // sequences + (i < tokens % sequences) for i in range(sequences)]
         with self._lock:
-            self._pack([[[1] * n for n in even]])
+            self._pack([[[1] * n for n in even_split(tokens, sequences)]])
             return self._call(sequences, tokens)[1]
 
     def _pack(self, encoded: list) -> "list[Span | InputError]":

@@ -29,6 +29,11 @@ log = logging.getLogger(__name__)
 PAD_TOKEN = 0
 
 
+def even_split(total: int, parts: int) -> list[int]:
+    """`total` as `parts` lengths that differ by at most one, the longer first."""
+    return [total // parts + (i < total % parts) for i in range(parts)]
+
+
 def bucket(task: Task, sequences: int, tokens: int) -> tuple[int, int, list[int]] | None:
     """(bucket sequences, bucket tokens, lengths of the padding sequences) for a call of
     `sequences` sequences and `tokens` tokens, or None when no bucket can hold it. Padding tokens
@@ -43,7 +48,7 @@ def bucket(task: Task, sequences: int, tokens: int) -> tuple[int, int, list[int]
     extra = max(extra, -(-pad // longest))  # as many padding sequences as the padding tokens need
     if extra < 1 or sequences + extra > task.graph_texts or padded_t > task.graph_tokens:
         return None
-    lengths = [pad // extra + (i < pad % extra) for i in range(extra)]
+    lengths = even_split(pad, extra)
     return sequences + extra, padded_t, lengths
 
 
@@ -122,8 +127,7 @@ class CudaGraphs:
                 for n, t in bucket_grid(self.task):
                     b = bucket(self.task, n, t)
                     self.cu[0] = 0
-                    self.cu[1 : n + 1] = torch.tensor(list(itertools.accumulate(
-                        t // n + (i < t % n) for i in range(n))), dtype=torch.int32)
+                    self.cu[1 : n + 1] = torch.tensor(list(itertools.accumulate(even_split(t, n))), dtype=torch.int32)
                     self.ids[:t] = 1
                     padded_n, padded_t = pad_inputs(self.ids, self.cu, n, t, b)
                     self.graphs[b[:2]] = self._capture(padded_n, padded_t, stream)
