@@ -15,6 +15,7 @@ import signal
 import time
 
 import torch
+from ts.utils.util import PredictionException
 
 from slm_core.serve.loader import load_package, mps_running
 from slm_core.serve.protocol import Reply, Request, respond_batch
@@ -28,6 +29,27 @@ def workers_share_a_gpu(serving: ServingSpec, host_gpus: int) -> bool:
     """Whether a model's workers outnumber the GPUs TorchServe deals them to in turn: the
     archive's deviceIds, else all the host's."""
     return serving.workers > max(1, len(serving.device_ids) or host_gpus)
+
+
+def through_grpc(request: Request) -> bool:
+    """Whether a request came through TorchServe's gRPC Predictions or StreamPredictions: those hand
+    the worker no request headers at all, while every REST request carries its HTTP headers, with
+    Content-Length at least (Netty's aggregator sets it) and TorchServe's own `explain`/`url_path`
+    on /predictions."""
+    return not request.headers
+
+
+def shared_grpc_error(grpc: list[bool], replies: list[Reply]) -> Reply | None:
+    """The error to fail a whole batch with, if any. TorchServe's gRPC replies drop the status a
+    handler sets for a request (GRPCJob.response): a gRPC client gets an error status only when the
+    worker fails the whole batch, with one status and one message for every request in it. So a
+    batch of gRPC requests that all get the same error fails that way (400 -> INVALID_ARGUMENT,
+    415 -> FAILED_PRECONDITION, 500 -> INTERNAL, the JSON error as the message). A batch holding a
+    REST request or another reply never does: its gRPC requests get status OK, with the JSON error
+    as the answer."""
+    first = replies[0]
+    same = all((r.status, r.body) == (first.status, first.body) for r in replies)
+    return first if all(grpc) and first.status != 200 and same else None
 
 
 def requests(data: list[dict], ctx) -> list[Request]:
@@ -80,14 +102,24 @@ class SlmHandler:
     def handle(self, data: list[dict], ctx) -> list[bytes]:
         """The replies to a batch, in order, each with its own status."""
         start = time.perf_counter()
-        replies = respond_batch(self.engine, requests(data, ctx))
+        batch = requests(data, ctx)
+        replies = respond_batch(self.engine, batch)
         handler_ms = (time.perf_counter() - start) * 1e3  # parse, tokenize, graph call, encode
-        return [self._answer(i, reply, handler_ms, ctx) for i, reply in enumerate(replies)]
+        grpc = [through_grpc(request) for request in batch]
+        failed = shared_grpc_error(grpc, replies)
+        if failed is not None:
+            raise PredictionException(failed.body.decode("utf-8"), failed.status)
+        return [self._answer(i, reply, handler_ms, ctx, grpc[i]) for i, reply in enumerate(replies)]
 
     @staticmethod
-    def _answer(i: int, reply: Reply, handler_ms: float, ctx) -> bytes:
+    def _answer(i: int, reply: Reply, handler_ms: float, ctx, grpc: bool) -> bytes:
         ctx.set_response_status(reply.status, PHRASES.get(reply.status, ""), i)
         ctx.set_response_content_type(i, "application/json")
+        if grpc:
+            # The reply is the request's whole answer. TorchServe's gRPC StreamPredictions ends its
+            # stream on this header and fails the worker on a reply without it; REST must not see
+            # it: a REST reply that carries it is sent as a stream's last chunk, with no status line.
+            ctx.set_response_header(i, "ts_stream_next", "false")
         if reply.stats is not None:  # where the request's time went (bench.loadgen averages these)
             ctx.set_response_header(i, "X-Slm-Worker", str(os.getpid()))
             ctx.set_response_header(i, "X-Slm-Handler-Ms", f"{handler_ms:.3f}")
