@@ -2,6 +2,7 @@
 
     slm-archiver build --checkpoint PATH --task TASK.yaml --model-name NAME --export-path DIR [--device cpu|cuda]
     slm-archiver configure --archive NAME.mar --export-path DIR [--model-name NEW] [serving flags]
+    slm-archiver catalog --archive NAME.mar --catalog ITEMS.jsonl --version V --export-path DIR
 """
 
 import argparse
@@ -28,28 +29,40 @@ def main(argv: list[str] | None = None) -> int:
                    help="precision fp8-static, beam tasks: the least mean share of the bf16 graph's W candidates "
                         "the fp8 graph must also return on the evaluation prompts (default 0.6; the build fails "
                         "below it)")
+    b.add_argument("--version", default="1.0", help="the model version TorchServe registers it as (default 1.0)")
     _serving_flags(b)
     c = sub.add_parser("configure", help="a new archive from a built one with other serving settings (no recompile)")
     c.add_argument("--archive", required=True, help="a built NAME.mar")
     c.add_argument("--export-path", required=True, help="directory that receives the new archive")
     c.add_argument("--model-name", help="the new archive's name (default: the built one's)")
+    c.add_argument("--version", help="its model version (default: the built one's)")
     _serving_flags(c)
+    k = sub.add_parser("catalog", help="a new version of a catalog task's archive with another catalog (no recompile)")
+    k.add_argument("--archive", required=True, help="a built NAME.mar of a task with a catalog")
+    k.add_argument("--catalog", required=True, help="the new catalog, JSONL (README.md, Generative retrieval)")
+    k.add_argument("--version", required=True, help="the new archive's model version; it is written as NAME-VERSION.mar")
+    k.add_argument("--export-path", required=True, help="directory that receives the new archive")
+    k.add_argument("--model-name", help="the model name (default: the built one's)")
     args = parser.parse_args(argv)
 
-    from archiver.build import BuildConfig, build, configure
+    from archiver.build import BuildConfig, build, catalog, configure
     from slm_core.build.checks import GateThresholds
     from slm_core.serving import ServingOptions
 
     try:
+        if args.command == "catalog":
+            catalog(args.archive, args.catalog, args.export_path, args.version, args.model_name)
+            return 0
         serving = ServingOptions(**given(workers=args.workers, queue=args.queue, deadline_ms=args.deadline_ms,
                                          batch_delay_ms=args.batch_delay_ms, response_timeout_s=args.response_timeout,
                                          device_ids=tuple(args.device_ids) if args.device_ids else None,
                                          cuda_graphs=False if args.no_cuda_graphs else None))
         if args.command == "build":
             gate = GateThresholds(**given(max_diff=args.fp8_max_diff, min_shared=args.fp8_min_shared))
-            build(BuildConfig(args.checkpoint, args.task, args.model_name, args.export_path, args.device, serving, gate))
+            build(BuildConfig(args.checkpoint, args.task, args.model_name, args.export_path, args.device, serving, gate,
+                              args.version))
         else:
-            configure(args.archive, args.export_path, serving, args.model_name)
+            configure(args.archive, args.export_path, serving, args.model_name, args.version)
     except (SpecError, FileNotFoundError) as e:
         print(f"slm-archiver: error: {e}", file=sys.stderr)
         return 2

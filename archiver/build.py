@@ -5,6 +5,7 @@ model-config.yaml (the ServingSpec) and the serve-time sources of slm_core, so i
 the runtime dependencies (torch of the same version, tokenizers, numpy, pyyaml) are installed.
 """
 
+import dataclasses
 import importlib.util
 import json
 import shutil
@@ -46,6 +47,7 @@ class BuildConfig:
     device: str = "cpu"  # where it will serve; build there
     serving: ServingOptions = field(default_factory=ServingOptions)
     gate: GateThresholds = field(default_factory=GateThresholds)
+    version: str = "1.0"  # the archive's model version (TorchServe registers versions side by side)
 
 
 def progress(message: str) -> None:
@@ -74,11 +76,11 @@ def build(config: BuildConfig) -> Path:
 
             shutil.copytree(src, stage / name, ignore=serve_time)
         handler = Path(importlib.util.find_spec(HANDLER_MODULE).origin)
-        return _archive(stage, handler, serving, config.model_name, export, Path(tmp))
+        return _archive(stage, handler, serving, config.model_name, export, Path(tmp), config.version)
 
 
 def configure(archive: "str | Path", export_path: "str | Path", options: ServingOptions,
-              model_name: str | None = None) -> Path:
+              model_name: str | None = None, version: str | None = None) -> Path:
     """A new archive, `model_name` (default: the source's name).mar in export_path, holding the
     built one's package, sources and handler with a new serving spec: planned from `options`
     (what they leave open takes the defaults, as at build) and the manifest's call timings. No
@@ -93,12 +95,72 @@ def configure(archive: "str | Path", export_path: "str | Path", options: Serving
         raise SpecError(f"configure would write over {archive}: give another --model-name or --export-path")
     export.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f"{name}-") as tmp:
-        stage = Path(tmp) / "stage"
-        with zipfile.ZipFile(archive) as z:
-            members = [m for m in z.namelist() if not m.startswith("MAR-INF/") and m not in (MODEL_CONFIG, HANDLER_FILE)]
-            z.extractall(stage, members)
-            z.extract(HANDLER_FILE, tmp)
-        return _archive(stage, Path(tmp) / HANDLER_FILE, serving, name, export, Path(tmp))
+        stage = _unpack(archive, Path(tmp))
+        return _archive(stage, Path(tmp) / HANDLER_FILE, serving, name, export, Path(tmp),
+                        version or archive_version(archive))
+
+
+def catalog(archive: "str | Path", catalog_file: "str | Path", export_path: "str | Path", version: str,
+            model_name: str | None = None) -> Path:
+    """A new version of a catalog task's archive, `model_name`-`version`.mar in export_path: the
+    built one's compiled graph, serving spec and handler with `catalog_file` (JSONL) in place of
+    its catalog. The graph takes the catalog as inputs, so there is no recompile: seconds. The
+    new catalog must fit the task's bounds."""
+    from tokenizers import Tokenizer
+
+    from slm_core.manifest import GRAPH, TOKENIZER
+    from slm_core.tasks import task_for
+
+    archive = Path(archive)
+    manifest = read_manifest(archive)
+    spec = TaskSpec.from_dict(manifest["task"])
+    if spec.catalog is None:
+        raise SpecError(f"{archive} serves a task without a catalog (task key 'catalog')")
+    name = model_name or _model_name(archive)
+    export = Path(export_path)
+    target = export / f"{name}-{version}.mar"
+    if target.resolve() == archive.resolve():
+        raise SpecError(f"catalog would write over {archive}: give another --version or --export-path")
+    export.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f"{name}-") as tmp:
+        stage = _unpack(archive, Path(tmp))
+        progress(f"building the catalog trie of {catalog_file}")
+        task = task_for(dataclasses.replace(spec, catalog=str(Path(catalog_file).resolve())),
+                        Tokenizer.from_file(str(stage / TOKENIZER)), manifest["device"])
+        manifest["task"] = task.write_data(stage).to_dict()
+        manifest["pipeline"] = task.pipeline(manifest["device"], GRAPH)
+        (stage / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        progress(f"catalog: {task.catalog.summary()}")
+        (Path(tmp) / "out").mkdir()
+        mar = _archive(stage, Path(tmp) / HANDLER_FILE, read_serving(archive), name, Path(tmp) / "out", Path(tmp),
+                       version)
+        shutil.move(mar, target)
+    progress(f"done: {target}")
+    return target
+
+
+def _unpack(archive: Path, tmp: Path) -> Path:
+    """A built archive's package and sources into tmp/stage, its handler into tmp."""
+    stage = tmp / "stage"
+    with zipfile.ZipFile(archive) as z:
+        members = [m for m in z.namelist() if not m.startswith("MAR-INF/") and m not in (MODEL_CONFIG, HANDLER_FILE)]
+        z.extractall(stage, members)
+        z.extract(HANDLER_FILE, tmp)
+    return stage
+
+
+def _mar_manifest(archive: "str | Path") -> dict[str, Any]:
+    with zipfile.ZipFile(archive) as z:
+        return json.loads(z.read("MAR-INF/MANIFEST.json"))
+
+
+def archive_version(archive: "str | Path") -> str:
+    """The model version an archive registers as."""
+    return str(_mar_manifest(archive)["model"].get("modelVersion", "1.0"))
+
+
+def _model_name(archive: "str | Path") -> str:
+    return str(_mar_manifest(archive)["model"]["modelName"])
 
 
 def read_manifest(archive: "str | Path") -> dict[str, Any]:
@@ -117,7 +179,8 @@ def read_serving(archive: "str | Path") -> ServingSpec:
         return ServingSpec.from_model_config(yaml.safe_load(z.read(MODEL_CONFIG)))
 
 
-def _archive(stage: Path, handler: Path, serving: ServingSpec, name: str, export: Path, tmp: Path) -> Path:
+def _archive(stage: Path, handler: Path, serving: ServingSpec, name: str, export: Path, tmp: Path,
+             version: str) -> Path:
     from model_archiver.model_archiver_config import ModelArchiverConfig
     from model_archiver.model_packaging import generate_model_archive
 
@@ -129,7 +192,7 @@ def _archive(stage: Path, handler: Path, serving: ServingSpec, name: str, export
     generate_model_archive(ModelArchiverConfig(
         model_name=name,
         handler=str(handler),
-        version="1.0",
+        version=version,
         extra_files=str(stage),
         export_path=str(export),
         archive_format="zip-store",  # graph.pt2 is already a zip of weights: storing is as small and much faster

@@ -80,6 +80,15 @@ profile)
             done
         done
     done ;;
+catalog)
+    # a catalog swapped into the W4 archive: a second 1M-item catalog, as a new archive version
+    python3 -c "from pathlib import Path; from bench.workloads import catalog_items; catalog_items(Path('$WORK/catalog2.jsonl'), seed=1)"
+    for mar in "$WORK"/model-store/slm_retrieve_qwen25_b?.mar; do
+        [ -e "$mar" ] || continue
+        start=$(date +%s%N)
+        python3 -m archiver catalog --archive "$mar" --catalog "$WORK/catalog2.jsonl" --version 2.0 --export-path "$WORK/swap"
+        echo "catalog swap of $(basename "$mar"): $(( ($(date +%s%N) - start) / 1000000 )) ms"
+    done ;;
 reliability)
     # the bench step's deployments (NAME_xWORKERS.mar, configured by the archiver for that many
     # workers): by default the archiver's defaults, 2 workers (beam, score); overload with the
@@ -110,6 +119,7 @@ all)
     [ "${CHECK:-1}" = 1 ] && { bash "$0" check > "$OUT/check.log" 2>&1
                                [ "${KERNELS:-1}" = 0 ] || bash "$0" kernels > "$OUT/kernels.log" 2>&1; } &
     wait
+    [ "${CATALOG:-0}" = 1 ] && bash "$0" catalog > "$OUT/catalog.log" 2>&1
     [ "${BENCH:-1}" = 1 ] && bash "$0" bench ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
     if [ -n "${NOMPS_SLM:-}" ]; then
         mps 0
@@ -126,7 +136,7 @@ start)
     COMMIT=$COMMIT SLM=$SLM VARIANTS=$VARIANTS WORKLOADS=$WORKLOADS SYSTEMS=${SYSTEMS:-slm,hf} \
         BENCH_ARGS=${BENCH_ARGS:-} PROFILE=${PROFILE:-1} CHECK=${CHECK:-1} KERNELS=${KERNELS:-1} \
         RELIABILITY=${RELIABILITY:-0} BENCH=${BENCH:-1} SOAK=${SOAK:-} RELIABLE=${RELIABLE:-} STEPS=${STEPS:-} \
-        MPS=${MPS:-1} NOMPS_SLM=${NOMPS_SLM:-} \
+        MPS=${MPS:-1} NOMPS_SLM=${NOMPS_SLM:-} CATALOG=${CATALOG:-0} \
         setsid nohup bash "$WORK/pipeline.sh" all > "$WORK/pipeline.log" 2>&1 < /dev/null &
     sleep 5
     bash "$0" follow ;;

@@ -29,7 +29,7 @@ from tokenizers import Tokenizer
 from archiver.build import configure, read_manifest, read_serving
 from bench import flops
 from bench.loadgen import measure, sweep
-from bench.workloads import WORKLOADS, TextMaker, Workload
+from bench.workloads import WORKLOADS, TextMaker, Workload, catalog_items
 from handlers.local_server import TorchServe, http
 from slm_core.build.checks import GateThresholds
 from slm_core.serve.loader import mps_running
@@ -203,7 +203,8 @@ def main() -> None:
                                cuda_graphs=not v.nographs, gpus=v.gpus, built=f"{mar}.mar", precision=precision)
                 if d not in deployments:
                     deployments.append(d)
-        if "hf" in systems and w.task.get("head", "labels") == "labels":  # the peer scores label tokens only
+        # the peer scores label tokens only, and constrains no beam to a catalog
+        if "hf" in systems and w.task.get("head", "labels") == "labels" and "catalog" not in w.task:
             archive_handler(f"hf_{model}", BENCH / "peer_handler.py",
                             {"peer.json": {"checkpoint": str(checkpoints[w.name]), "task": w.task}},
                             store, args.device, work)
@@ -499,10 +500,14 @@ def plan(args, work: Path):
         sys.exit("--tokenizer is required (see bench/README.md)")
     tok_path = Path(args.tokenizer)
     chosen = {k: WORKLOADS[k] for k in args.workloads.split(",")}
+    for k, w in chosen.items():
+        if "max_items" in w.task:  # a retrieval workload: its catalog, written once per work dir
+            chosen[k] = dataclasses.replace(w, task={**w.task, "catalog": str(catalog_items(work / "catalog.jsonl"))})
     checkpoints = {}
     for k, w in chosen.items():
         log(f"random {w.arch['model_type']} checkpoint for {k}")
-        checkpoints[k] = random_checkpoint(w.arch, tok_path, work / f"ckpt-{w.model}")
+        same = next(j for j in chosen if chosen[j].arch == w.arch)  # one checkpoint per architecture
+        checkpoints[k] = random_checkpoint(w.arch, tok_path, work / f"ckpt-{chosen[same].model}")
     specs = {k: ModelSpec.from_hf_config(w.arch) for k, w in chosen.items()}
     return chosen, checkpoints, {k: Tokenizer.from_file(str(tok_path)) for k in chosen}, specs
 

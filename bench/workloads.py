@@ -1,12 +1,16 @@
-"""Workloads W1-W3: architectures (random weights) and request generators.
+"""Workloads W1-W4: architectures (random weights), catalogs and request generators.
 
 Requests are real-looking text: words drawn Zipf-like from the tokenizer's own whole-word tokens,
 so that each text's token count under that tokenizer is exactly the length drawn from the
 workload's distribution (checked by re-encoding).
 """
 
+import json
 import random
 from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
 
 from tokenizers import Tokenizer
 
@@ -35,12 +39,35 @@ SCORE_TASK = dict(task="score", labels=["Yes", "No"], max_texts=16, max_text_tok
 CLASSIFIER_TASK = dict(task="score", head="classifier", max_texts=16, max_text_tokens=160, precision="bf16")
 BEAM_TASK = dict(task="beam", beam_width=100, new_tokens=5, max_prompt_tokens=512, stop=["<|im_end|>"],
                  precision="bf16")
+# W4, generative retrieval: W2's model and prompts, W = 100, N = 4, constrained to a catalog of
+# semantic IDs (catalog_items); W4c normalises its scores over the catalog's tokens only. The
+# catalog path is filled in where the bench writes it.
+RETRIEVE_TASK = dict(task="beam", beam_width=100, new_tokens=4, max_prompt_tokens=512, precision="bf16",
+                     max_items=1_048_576, max_trie_nodes=4_194_304)
+SEMANTIC_ID_BASE = 40_000  # level d's token ids: SEMANTIC_ID_BASE + 256 d + [0, 256), inside the bench tokenizer's
 WORKLOADS = {
     "W1": Workload("W1", "score_qwen3", QWEN3_06B, SCORE_TASK, texts=15, lengths=(64, 160)),
     "W1c": Workload("W1c", "cls_qwen3", QWEN3_06B_CLS, CLASSIFIER_TASK, texts=15, lengths=(64, 160)),
     "W2": Workload("W2", "beam_qwen25", QWEN25_05B, BEAM_TASK, texts=0, lengths=(48, 128)),
     "W3": Workload("W3", "beam_qwen25", QWEN25_05B, BEAM_TASK, texts=0, lengths=(384, 512)),
+    "W4": Workload("W4", "retrieve_qwen25", QWEN25_05B, RETRIEVE_TASK, texts=0, lengths=(48, 128)),
+    "W4c": Workload("W4c", "retrievec_qwen25", QWEN25_05B, dict(RETRIEVE_TASK, catalog_scores="catalog"), texts=0,
+                    lengths=(48, 128)),
 }
+
+
+def catalog_items(path: Path, count: int = 1_000_000, seed: int = 0) -> Path:
+    """A JSONL catalog of up to `count` items, each a 4-token semantic ID, one token from each of 4
+    ranges of 256 ids, drawn uniformly and deduplicated: {"id": "sku-N", "tokens": [...]}."""
+    if path.exists():
+        return path
+    codes = np.unique(np.random.default_rng(seed).integers(0, 256, (count, 4)), axis=0)
+    tokens = codes + SEMANTIC_ID_BASE + 256 * np.arange(4)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for i, row in enumerate(tokens.tolist()):
+            f.write(json.dumps({"id": f"sku-{seed}-{i}", "tokens": row}) + "\n")
+    return path
 
 
 class TextMaker:

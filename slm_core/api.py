@@ -3,6 +3,8 @@
     eng = Engine.from_checkpoint("ckpt-dir-or.gguf", task="task.yaml", device="cpu")
     eng.score(["text a", "text b"])  # [[p_label0, p_label1, ...], ...]
     eng.beam("a prompt")             # [{"text", "token_ids", "score"}, ...] best first
+    eng.beam("a prompt", beam_width=10, top=3, exclude=["sku-1"])   # a request's settings; catalog
+                                     # tasks answer each candidate's item "id" too
     eng = Engine.from_package("unpacked-archive-dir")   # the compiled graph, as a worker serves it
 """
 
@@ -21,16 +23,20 @@ class Engine(engine.Engine):
 
     def score(self, texts: list[str]) -> list[list[float]]:
         """One row per text over the task's labels, in their order (probabilities, or logits)."""
-        return self._api("score", texts)
+        self._check("score")
+        return self.run_one(texts)
 
-    def beam(self, prompt: str) -> list[dict[str, Any]]:
-        """The W candidates, best first: text, token ids (the stop token included), log-probability."""
-        return self._api("beam", prompt)
+    def beam(self, prompt: str, **settings: Any) -> list[dict[str, Any]]:
+        """The candidates, best first: text, token ids (the stop token included), log-probability,
+        and for a catalog task the item's id. `settings` are the request's optional fields
+        (beam_width, new_tokens, top; exclude for a catalog task), refused as a REST request's are."""
+        self._check("beam")
+        answer = self.run_one(self.task.request({self.task.field: prompt, **settings}))
+        return answer["candidates"] if isinstance(answer, dict) else answer
 
-    def _api(self, method: str, value: Any) -> Any:
+    def _check(self, method: str) -> None:
         if self.task.api != method:
             raise TypeError(f"this engine runs a {self.task.api!r} task: call engine.{self.task.api}(...)")
-        return self.run_one(value)
 
     @classmethod
     def from_checkpoint(cls, path: "str | Path", task: "str | Path | Mapping[str, Any] | TaskSpec",

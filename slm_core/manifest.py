@@ -12,7 +12,7 @@ import torch
 
 from slm_core.errors import SpecError
 
-FORMAT = 4  # the request path as nodes; the task's max_batch resolved
+FORMAT = 5  # the request path as nodes; the task's max_batch resolved; beam graphs take options
 MANIFEST, GRAPH, TOKENIZER = "manifest.json", "graph.pt2", "tokenizer.json"
 
 

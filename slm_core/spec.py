@@ -150,11 +150,22 @@ class TaskSpec:
     # Special tokens spelled in a request's text are tokenized as plain text unless this is true
     # (slm_core.tokenizer): only the template's own are matched.
     allow_special_tokens: bool = False
+    # beam tasks: generative retrieval over a catalog (slm_core.catalog), a JSONL file relative to
+    # the task YAML; its bounds (a catalog swapped in later must fit them); the most item ids a
+    # request may exclude; what a candidate's score normalises over: "vocab", the whole
+    # vocabulary (transformers'), or "catalog", only the tokens the catalog uses (the LM head then
+    # computes only their rows).
+    catalog: str | None = None
+    max_items: int = 1_048_576
+    max_trie_nodes: int = 4_194_304
+    max_exclude: int = 32
+    catalog_scores: str = "vocab"
 
     def __post_init__(self):
         if not isinstance(self.task, str):
             raise SpecError(f"task key 'task' must be a string, got {self.task!r}")
-        for name in ("max_texts", "max_text_tokens", "beam_width", "new_tokens", "max_prompt_tokens"):
+        for name in ("max_texts", "max_text_tokens", "beam_width", "new_tokens", "max_prompt_tokens", "max_items",
+                     "max_trie_nodes", "max_exclude"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise SpecError(f"task key {name!r} must be a positive integer, got {value!r}")
@@ -168,6 +179,10 @@ class TaskSpec:
             items = getattr(self, name)
             if not all(isinstance(s, str) and s for s in items):
                 raise SpecError(f"task key {name!r} must be a list of non-empty strings, got {list(items)!r}")
+        if self.catalog is not None and (not isinstance(self.catalog, str) or not self.catalog):
+            raise SpecError(f"task key 'catalog' must be a file path, got {self.catalog!r}")
+        if self.catalog_scores not in ("vocab", "catalog"):
+            raise SpecError(f"task key 'catalog_scores' must be 'vocab' or 'catalog', got {self.catalog_scores!r}")
         if type(self.allow_special_tokens) is not bool:
             raise SpecError(f"task key 'allow_special_tokens' must be true or false, got {self.allow_special_tokens!r}")
 
@@ -193,7 +208,13 @@ class TaskSpec:
         if isinstance(source, Mapping):
             return cls.from_dict(source)
         with open(source, encoding="utf-8") as f:
-            return cls.from_dict(yaml.safe_load(f) or {})
+            return cls.from_dict(yaml.safe_load(f) or {}).located(Path(source).parent)
+
+    def located(self, root: "str | Path") -> "TaskSpec":
+        """The spec with its file keys (catalog) taken relative to `root` (a YAML's folder, a package)."""
+        if self.catalog is None:
+            return self
+        return dataclasses.replace(self, catalog=str(Path(root) / self.catalog))
 
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}

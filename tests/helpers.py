@@ -100,3 +100,69 @@ def hf_rows(model, engine: Engine, texts: list[str]) -> torch.Tensor:
     with torch.no_grad():
         return torch.cat([model(torch.tensor([tok.tokenizer.encode(tok.apply_template(t)).ids])).logits
                           for t in texts])
+
+
+# --- catalog-constrained beams (generative retrieval) ---------------------------------------------
+class ItemTrie:
+    """A reference trie of item token lists, built here without slm_core.catalog: what
+    transformers' prefix_allowed_tokens_fn allows after a generated prefix."""
+
+    def __init__(self, items: list[list[int]], stop_ids: list[int], new_tokens: int):
+        self.items = {tuple(i) for i in items}
+        self.stop_ids, self.new_tokens = list(stop_ids), new_tokens
+
+    def allowed(self, prefix: tuple[int, ...]) -> list[int]:
+        """Children that still lead to an item of at most new_tokens tokens, and the stop tokens
+        where the prefix is an item. After a stop, or off the trie, only the stops (an empty list
+        is an error in transformers; those beams score -inf or are finished backups)."""
+        if any(t in self.stop_ids for t in prefix):
+            return self.stop_ids or [0]
+        n = len(prefix)
+        out = sorted({i[n] for i in self.items if len(i) > n and i[:n] == prefix and len(i) <= self.new_tokens})
+        if prefix in self.items:
+            out += self.stop_ids
+        return out or self.stop_ids or [0]
+
+
+@torch.no_grad()
+def hf_catalog_beam(model, prompt_ids: list[int], width: int, new_tokens: int, stop_ids: list[int],
+                    items: list[list[int]], catalog_scores: str = "vocab"):
+    """[(token ids up to the end, score)] of transformers' beam search constrained to `items`,
+    best first, the candidates scored above -1e8 only. "vocab" scores as transformers does
+    (log_softmax over the vocabulary, then prefix_allowed_tokens_fn's mask); "catalog" normalises
+    over the catalog's tokens (the items' and the stops) first, in one logits processor."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    trie = ItemTrie(items, stop_ids, new_tokens)
+    start = len(prompt_ids)
+    vocab = sorted({t for i in items for t in i} | set(stop_ids))
+
+    class Constrain(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            if catalog_scores == "catalog":
+                scores = scores - torch.logsumexp(scores[:, vocab], dim=-1, keepdim=True)
+            mask = torch.full_like(scores, -float("inf"))
+            for row, seq in enumerate(input_ids):
+                mask[row, trie.allowed(tuple(seq[start:].tolist()))] = 0
+            return scores + mask
+
+    pad = stop_ids[0] if stop_ids else 0
+    constraint = (dict(prefix_allowed_tokens_fn=lambda batch, seq: trie.allowed(tuple(seq[start:].tolist())))
+                  if catalog_scores == "vocab" else dict(logits_processor=LogitsProcessorList([Constrain()])))
+    out = model.generate(
+        torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        num_beams=width, num_return_sequences=width, max_new_tokens=new_tokens, eos_token_id=stop_ids or None,
+        pad_token_id=pad, output_scores=True, return_dict_in_generate=True, **constraint, **GENERATE)
+    result = []
+    for seq, score in zip(out.sequences[:, start:].tolist(), out.sequences_scores.tolist()):
+        if score > -1e8:
+            end = _end(seq, stop_ids)
+            result.append((seq[:end], score))
+    return result
+
+
+def write_catalog(path, items: list, ids: list | None = None) -> None:
+    """A JSONL catalog: token lists as {"id", "tokens"}, strings as {"id", "text"}."""
+    ids = ids or [f"item-{i}" for i in range(len(items))]
+    path.write_text("".join(json.dumps({"id": i, "tokens" if isinstance(x, list) else "text": x}) + "\n"
+                            for i, x in zip(ids, items)))

@@ -8,18 +8,28 @@ from torch.fx.experimental import _config as fx_config
 from slm_core.tasks import Task
 
 
-def example_inputs(device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
-    """Inputs to trace with: sequences of 3 and 5 tokens. Dynamic dims get sizes >= 2 (0/1 would
-    specialise to constants)."""
+def example_inputs(task: Task, device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
+    """Inputs to trace with: sequences of 3 and 5 tokens, their options at the task's bounds and
+    the task's constants. Dynamic dims get sizes >= 2 (0/1 would specialise to constants)."""
     ids = torch.arange(8, dtype=torch.int32, device=device) + 1
-    return ids, torch.tensor([0, 3, 8], dtype=torch.int32, device=device)
+    inputs = [ids, torch.tensor([0, 3, 8], dtype=torch.int32, device=device)]
+    if task.option_columns:
+        inputs.append(torch.tensor([task.options(task.request_of(["x"]))] * 2, dtype=torch.int32, device=device))
+    return (*inputs, *(c.to(device) for c in task.graph_constants()))
 
 
 def dynamic_shapes(task: Task) -> tuple[dict[int, Dim], ...]:
     """Up to the task's graph bounds, which leave room for CUDA-graph padding (slm_core.serve.replay): so
-    even a one-prompt beam task takes a dynamic number of sequences."""
-    return ({0: Dim("tokens", min=1, max=task.graph_tokens)},
-            {0: Dim("sequences_plus_one", min=2, max=task.graph_texts + 1)})
+    even a one-prompt beam task takes a dynamic number of sequences. A constant's first dim is
+    dynamic up to its bound, so that other data of the kind (a new catalog) fits the same graph."""
+    sequences = Dim("sequences", min=1, max=task.graph_texts)
+    shapes = [{0: Dim("tokens", min=1, max=task.graph_tokens)}, {0: sequences + 1}]
+    if task.option_columns:
+        shapes.append({0: sequences})
+    constants = tuple({0: Dim(f"constant{i}", min=2, max=bound)} for i, bound in enumerate(task.constant_bounds()))
+    if constants:  # a graph takes its constants as one *varargs parameter
+        shapes.append(constants)
+    return tuple(shapes)
 
 
 def export_graph(graph: torch.nn.Module, task: Task) -> ExportedProgram:
@@ -27,7 +37,7 @@ def export_graph(graph: torch.nn.Module, task: Task) -> ExportedProgram:
     # Size-oblivious: reason about a dynamic dim as "any size in range" instead of guarding on 1
     # (one text gives a cu_seqlens[1:] of size 1, which would otherwise specialise).
     with torch.inference_mode(False), torch.no_grad(), fx_config.patch(backed_size_oblivious=True):
-        return torch.export.export(graph, example_inputs(device), dynamic_shapes=dynamic_shapes(task), strict=False)
+        return torch.export.export(graph, example_inputs(task, device), dynamic_shapes=dynamic_shapes(task), strict=False)
 
 
 def compile_package(program: ExportedProgram, path: str) -> str:

@@ -77,7 +77,7 @@ def build_package(ckpt: Checkpoint, spec: TaskSpec, runtime: RuntimeSpec, out_di
     task.tokenizer.tokenizer.save(str(out_dir / package.TOKENIZER))
     manifest = {
         "format": package.FORMAT,
-        "task": task.spec.to_dict(),
+        "task": task.write_data(out_dir).to_dict(),
         "architecture": dataclasses.asdict(ckpt.spec),
         "dtype": PRECISIONS[task.spec.precision],
         "device": dev.type,

@@ -48,15 +48,18 @@ class Span:
 
 
 class Context:
-    """A graph call's state, preallocated at load: the packed token ids and cu_seqlens in host
-    memory (pinned on CUDA), the CUDA graphs that replay calls from them (slm_core.serve.replay;
-    None runs the graph as it is) and, on CUDA, the stream the calls run on. A call holds it
-    from packing its inputs to reading its outputs back."""
+    """A graph call's state, preallocated at load: the packed token ids, cu_seqlens and the
+    sequences' options rows in host memory (pinned on CUDA), the CUDA graphs that replay calls
+    from them (slm_core.serve.replay; None runs the graph as it is) and, on CUDA, the stream the
+    calls run on. A call holds it from packing its inputs to reading its outputs back."""
 
     def __init__(self, task: Task, device: torch.device, replay=None):
         pin = device.type == "cuda"
         self.ids = torch.empty(task.graph_tokens, dtype=torch.int32, pin_memory=pin)  # packed token ids
         self.cu = torch.empty(task.graph_texts + 1, dtype=torch.int32, pin_memory=pin)  # cu_seqlens
+        # each sequence's options (Task.options), or None where the graph takes none
+        self.options = torch.empty(task.graph_texts, task.option_columns, dtype=torch.int32,
+                                   pin_memory=pin) if task.option_columns else None
         self.replay = replay
         self.stream = torch.cuda.Stream(device) if pin else None
 
@@ -69,6 +72,7 @@ class Engine:
         self.graph = graph
         self.task = task
         self.device = torch.device(device)
+        self.constants = tuple(c.to(self.device) for c in task.graph_constants())  # after the call's inputs
         self.context = Context(task, self.device, replay)
         self._lock = threading.Lock()
 
@@ -90,34 +94,39 @@ class Engine:
             raise ValueError(f"{len(values)} requests exceed max_batch={self.task.max_batch}")
         encoded = self.task.encode(values)
         with self._lock:
-            spans = self._pack(encoded)
+            spans = self._pack(encoded, values)
             members = [s for s in spans if isinstance(s, Span)]
             if not members:
                 return [Result(error=s) for s in spans]
             n, t = sum(s.count for s in members), sum(s.tokens for s in members)
             outputs, graph_ms = self._call(n, t)
         return [Result(error=s) if isinstance(s, InputError) else
-                Result(self.task.unpack(outputs, s.first, s.count), CallStats(s.count, s.tokens, graph_ms, len(members)))
-                for s in spans]
+                Result(self.task.unpack(outputs, s.first, s.count, value),
+                       CallStats(s.count, s.tokens, graph_ms, len(members)))
+                for s, value in zip(spans, values)]
 
     def synthetic_call(self, sequences: int, tokens: int) -> float:
         """A call of `sequences` sequences of about equal length holding `tokens` token ids 1, as
         the build times calls at the task's bounds; returns its milliseconds."""
         with self._lock:
-            self._pack([[[1] * n for n in even_split(tokens, sequences)]])
+            self._pack([[[1] * n for n in even_split(tokens, sequences)]], [self.task.request_of(["synthetic"])])
             return self._call(sequences, tokens)[1]
 
-    def _pack(self, encoded: list) -> "list[Span | InputError]":
-        """Each request's sequences behind the ones before it, into the context's host buffers."""
+    def _pack(self, encoded: list, values: list) -> "list[Span | InputError]":
+        """Each request's sequences behind the ones before it, and each sequence's options row,
+        into the context's host buffers."""
         ids, cu = self.context.ids.numpy(), self.context.cu.numpy()
+        options = self.context.options.numpy() if self.context.options is not None else None
         spans: list = []
         n = t = 0
         cu[0] = 0
-        for request in encoded:
+        for request, value in zip(encoded, values):
             if isinstance(request, InputError):
                 spans.append(request)
                 continue
             start_n, start_t = n, t
+            if options is not None:
+                options[n : n + len(request)] = self.task.options(value)
             for seq in request:
                 ids[t : t + len(seq)] = seq
                 t += len(seq)
@@ -132,9 +141,9 @@ class Engine:
         ctx = self.context
         start = time.perf_counter()
         with torch.inference_mode(), (torch.cuda.stream(ctx.stream) if ctx.stream else contextlib.nullcontext()):
-            out = ctx.replay(ctx.ids, ctx.cu, n, t) if ctx.replay is not None else None
+            out = ctx.replay(ctx.ids, ctx.cu, ctx.options, n, t) if ctx.replay is not None else None
             if out is None:
-                out = self.graph(ctx.ids[:t].to(self.device, non_blocking=True),
-                                 ctx.cu[: n + 1].to(self.device, non_blocking=True))
+                inputs = [ctx.ids[:t], ctx.cu[: n + 1]] + ([] if ctx.options is None else [ctx.options[:n]])
+                out = self.graph(*(x.to(self.device, non_blocking=True) for x in inputs), *self.constants)
             outputs = [x.cpu().tolist() for x in ((out,) if isinstance(out, torch.Tensor) else out)]
         return outputs, (time.perf_counter() - start) * 1e3

@@ -58,8 +58,8 @@ def serving_engine(path: str, task: Task, device: torch.device, cuda_graphs: boo
     graph = load_graph(path, run_single_threaded=cuda_graphs, device_index=device.index)
     if not cuda_graphs:
         return engine(graph, task, device)
-    replay = CudaGraphs(graph, task, device)
-    served = engine(graph, task, device, replay)
+    served = engine(graph, task, device)
+    served.context.replay = replay = CudaGraphs(graph, task, device, served.constants)
     replay.capture(served.context.stream)
     return served
 
@@ -67,7 +67,7 @@ def serving_engine(path: str, task: Task, device: torch.device, cuda_graphs: boo
 def load_task(model_dir: Path, manifest: dict) -> Task:
     """The manifest's task, checked against the request path it records."""
     tokenizer = Tokenizer.from_file(str(model_dir / package.TOKENIZER))
-    task = task_for(TaskSpec.from_dict(manifest["task"]), tokenizer, manifest["device"])
+    task = task_for(TaskSpec.from_dict(manifest["task"]).located(model_dir), tokenizer, manifest["device"])
     expected = task.pipeline(manifest["device"], package.node(manifest, "graph")["file"])
     if [(n["node"], n.get("op")) for n in manifest["pipeline"]] != [(n["node"], n.get("op")) for n in expected]:
         raise SpecError(f"the manifest's request path {[n.get('op') for n in manifest['pipeline']]} is not "

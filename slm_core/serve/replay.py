@@ -81,14 +81,16 @@ def _round_tokens(t: int) -> int:
     return -(-t // step) * step
 
 
-def pad_inputs(ids: torch.Tensor, cu: torch.Tensor, sequences: int, tokens: int,
+def pad_inputs(ids: torch.Tensor, cu: torch.Tensor, options: torch.Tensor | None, sequences: int, tokens: int,
                bucketed: tuple[int, int, list[int]]) -> tuple[int, int]:
-    """Pad the packed call in the host buffers ids/cu (sized to the task's graph bounds) to its
-    bucket: padding sequences of the bucket's lengths behind it, then the tail; returns the padded
-    (sequences, tokens)."""
+    """Pad the packed call in the host buffers ids/cu/options (sized to the task's graph bounds)
+    to its bucket: padding sequences of the bucket's lengths behind it (options as the first
+    sequence's), then the tail; returns the padded (sequences, tokens)."""
     padded_n, padded_t, lengths = bucketed
     if lengths:
         cu[sequences + 1 : padded_n + 1] = torch.tensor(lengths, dtype=cu.dtype).cumsum(0) + tokens
+        if options is not None:
+            options[sequences:padded_n] = options[0]
     ids[tokens:padded_t] = PAD_TOKEN
     return padded_n, padded_t
 
@@ -97,23 +99,29 @@ class CudaGraphs:
     """Replays `graph` (an AOTInductor package loaded with run_single_threaded=True) from the
     CUDA graphs capture() records, one per bucket; a call of another size runs the graph as it is."""
 
-    def __init__(self, graph, task: Task, device: torch.device):
+    def __init__(self, graph, task: Task, device: torch.device, constants: tuple[torch.Tensor, ...] = ()):
         self.graph = graph
         self.task = task
         self.device = device
         self.ids = torch.zeros(task.graph_tokens, dtype=torch.int32, device=device)  # static inputs
         self.cu = torch.zeros(task.graph_texts + 1, dtype=torch.int32, device=device)
+        self.options = torch.zeros(task.graph_texts, task.option_columns, dtype=torch.int32,
+                                   device=device) if task.option_columns else None
+        self.constants = constants  # the engine's device tensors: the same for every call
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, object]] = {}
         self.pool = None
 
-    def __call__(self, ids: torch.Tensor, cu: torch.Tensor, sequences: int, tokens: int):
+    def __call__(self, ids: torch.Tensor, cu: torch.Tensor, options: torch.Tensor | None, sequences: int, tokens: int):
         """The graph's outputs (device tensors, valid until the next call) for the packed call in
-        the pinned host buffers ids[:tokens], cu[:sequences + 1], or None when it does not replay."""
+        the pinned host buffers ids[:tokens], cu[:sequences + 1], options[:sequences], or None when
+        it does not replay."""
         if (b := bucket(self.task, sequences, tokens)) is None or b[:2] not in self.graphs:
             return None
-        n, t = pad_inputs(ids, cu, sequences, tokens, b)
+        n, t = pad_inputs(ids, cu, options, sequences, tokens, b)
         self.ids[:t].copy_(ids[:t], non_blocking=True)
         self.cu[: n + 1].copy_(cu[: n + 1], non_blocking=True)
+        if options is not None:
+            self.options[:n].copy_(options[:n], non_blocking=True)
         graph, outputs = self.graphs[b[:2]]
         graph.replay()
         return outputs
@@ -129,7 +137,9 @@ class CudaGraphs:
                     self.cu[0] = 0
                     self.cu[1 : n + 1] = torch.tensor(list(itertools.accumulate(even_split(t, n))), dtype=torch.int32)
                     self.ids[:t] = 1
-                    padded_n, padded_t = pad_inputs(self.ids, self.cu, n, t, b)
+                    if self.options is not None:  # the task's bounds
+                        self.options[:] = torch.tensor(self.task.options(self.task.request_of(["x"])), dtype=torch.int32)
+                    padded_n, padded_t = pad_inputs(self.ids, self.cu, self.options, n, t, b)
                     self.graphs[b[:2]] = self._capture(padded_n, padded_t, stream)
             except RuntimeError as e:
                 log.warning("CUDA graph capture failed, running without CUDA graphs: %s", e)
@@ -142,7 +152,7 @@ class CudaGraphs:
         then replay once: a graph that faults on replay does so at load, not on a request.
         PyTorch keeps a cuBLAS workspace per (handle, stream) and a graph bakes in the one of the
         stream it was captured on: the first run allocates the stream's own, outside the pool."""
-        args = (self.ids[:t], self.cu[: n + 1])
+        args = (self.ids[:t], self.cu[: n + 1], *([] if self.options is None else [self.options[:n]]), *self.constants)
         self.graph(*args)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=stream):

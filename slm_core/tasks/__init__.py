@@ -10,18 +10,19 @@ from slm_core.errors import SpecError
 from slm_core.spec import TaskSpec
 from slm_core.tasks.base import Difference, Task
 from slm_core.tasks.beam import BeamTask
+from slm_core.tasks.catalog import CatalogTask
 from slm_core.tasks.classifier import ClassifierTask
 from slm_core.tasks.labels import LabelsTask
 
-KINDS: tuple[type[Task], ...] = (LabelsTask, ClassifierTask, BeamTask)
+KINDS: tuple[type[Task], ...] = (LabelsTask, ClassifierTask, BeamTask, CatalogTask)
 
-__all__ = ["KINDS", "BeamTask", "ClassifierTask", "Difference", "LabelsTask", "Task", "task_class", "task_for"]
+__all__ = ["KINDS", "BeamTask", "CatalogTask", "ClassifierTask", "Difference", "LabelsTask", "Task", "task_class", "task_for"]
 
 
 def task_class(spec: TaskSpec) -> type[Task]:
     """The kind a task YAML names (`task`, and `head` where a kind has several)."""
     for kind in KINDS:
-        if kind.kind == spec.task and kind.head in (None, spec.head):
+        if kind.matches(spec):
             return kind
     heads = sorted(k.head for k in KINDS if k.kind == spec.task and k.head)
     if heads:

@@ -12,6 +12,7 @@ runs the compiled graph and never imports it.
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 from tokenizers import Tokenizer
@@ -48,6 +49,11 @@ class Task(ABC):
     tolerance: ClassVar[dict[str, float]]
     min_shared: ClassVar[dict[str, float]] = {}  # and the least share of items in common
     gate_requests: ClassVar[int | None] = None  # the FP8 gate's evaluation requests at most (None: every text)
+
+    @classmethod
+    def matches(cls, spec: TaskSpec) -> bool:
+        """Whether a task YAML names this kind (`task`, and `head` where a kind has several)."""
+        return spec.task == cls.kind and cls.head in (None, spec.head)
 
     def __init__(self, spec: TaskSpec, tokenizer: Tokenizer):
         if spec.max_batch is None:
@@ -114,9 +120,33 @@ class Task(ABC):
         """The CPU node before the graph: each request value -> its sequences' token ids, or the
         InputError that refuses it (its bound named). One tokenizer pass for all of them."""
 
+    @property
+    def option_columns(self) -> int:
+        """Columns of the graph's `options` input, one row per sequence: what a request asks of
+        its graph call (0: the graph takes no options)."""
+        return 0
+
+    def options(self, value: Any) -> list[int]:
+        """A request value's row of the graph's options."""
+        return []
+
+    def graph_constants(self) -> list:
+        """Inputs the graph takes after the per-call ones, the same for every call (data the task
+        holds, such as a catalog: swapped without a recompile), as CPU tensors."""
+        return []
+
+    def constant_bounds(self) -> list[int]:
+        """The largest first dimension of each graph constant that the compiled graph accepts."""
+        return []
+
+    def write_data(self, package: Path) -> TaskSpec:
+        """Write the data files the task holds (a catalog) into a package; returns the spec as the
+        package records it (file keys relative to the package)."""
+        return self.spec
+
     @abstractmethod
-    def unpack(self, outputs: list[list], first: int, count: int) -> Any:
-        """The CPU node after the graph: the answer of the request whose sequences are
+    def unpack(self, outputs: list[list], first: int, count: int, value: Any = None) -> Any:
+        """The CPU node after the graph: the answer of the request `value` whose sequences are
         first..first+count-1, from the graph's outputs read back to host lists."""
 
     @abstractmethod
@@ -127,9 +157,13 @@ class Task(ABC):
     def outputs(self) -> list[str]:
         """The graph's outputs: name, dtype, shape."""
 
+    def extra_inputs(self) -> list[str]:
+        """The graph's inputs after input_ids and cu_seqlens: name, dtype, shape."""
+        return []
+
     def signature(self) -> dict[str, list[str]]:
         return {"inputs": [f"input_ids int32 [tokens <= {self.graph_tokens}]",
-                           f"cu_seqlens int32 [sequences + 1 <= {self.graph_texts + 1}]"],
+                           f"cu_seqlens int32 [sequences + 1 <= {self.graph_texts + 1}]", *self.extra_inputs()],
                 "outputs": self.outputs()}
 
     def constants(self) -> dict:

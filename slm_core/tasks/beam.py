@@ -1,14 +1,34 @@
 """Fixed beam search: a prompt -> its W best continuations of up to N new tokens, best first, each
 with its token ids (the stop token included when it ended on one), its text (decoded without
 special tokens) and its cumulative log-probability, as transformers' generate(num_beams=W,
-num_return_sequences=W, early_stopping=True, length_penalty=0.0) ranks them."""
+num_return_sequences=W, early_stopping=True, length_penalty=0.0) ranks them.
 
+W and N are the task's bounds; a request may ask for less of either (`beam_width`, `new_tokens`:
+the search transformers runs at those settings) and for only its best `top` candidates. Requests
+with different settings share a graph call: each prompt's settings are a row of the graph's
+`options` input."""
+
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from slm_core import flops
-from slm_core.errors import InputError, SpecError
+from slm_core.errors import InputError, SpecError, json_type, names
 from slm_core.spec import ModelSpec
 from slm_core.tasks.base import Difference, Task
+
+# A candidate scored below this took a step the search could not take (the graphs score those
+# -1e9, as transformers does, or -inf): what a prompt has fewer than W of is left out of its answer.
+IMPOSSIBLE = -1.0e8
+
+
+@dataclass(frozen=True)
+class BeamRequest:
+    """One prompt and what its request asks of the search (None: the task's bound)."""
+
+    prompt: Any
+    beam_width: int | None = None
+    new_tokens: int | None = None
+    top: int | None = None
 
 
 class BeamTask(Task):
@@ -33,6 +53,11 @@ class BeamTask(Task):
     tolerance: ClassVar[dict[str, float]] = {"fp32": 1e-3, "bf16": 0.25, "fp8-static": 0.5}
     min_shared: ClassVar[dict[str, float]] = {"fp32": 1.0, "bf16": 0.75, "fp8-static": 0.5}
     gate_requests = 8  # a prompt's call is the costly one
+    options_fields = ("beam_width", "new_tokens", "top")  # a request's optional fields
+
+    @classmethod
+    def matches(cls, spec) -> bool:
+        return spec.task == cls.kind and spec.catalog is None
 
     def __init__(self, spec, tokenizer):
         super().__init__(spec, tokenizer)
@@ -60,27 +85,77 @@ class BeamTask(Task):
     def max_positions(self) -> int:
         return self.spec.max_prompt_tokens + self.spec.new_tokens
 
+    # --- a request's settings --------------------------------------------------------------------
+    def request(self, payload: Any) -> BeamRequest:
+        if not isinstance(payload, dict):
+            raise InputError(f'request body must be a JSON object like {{"prompt": ...}}, got {json_type(payload)}')
+        unknown = set(payload) - {self.field, *self.options_fields}
+        if self.field not in payload:
+            raise InputError(f"request body is missing the field {self.field!r}"
+                             + (f" (got {names(unknown)})" if unknown else ""))
+        if unknown:
+            raise InputError(f"unknown fields {names(unknown)}; a {self.kind} request has {self.field!r} and "
+                             f"optionally {', '.join(map(repr, self.options_fields))}")
+        return self.settings(payload)
+
+    def settings(self, payload: dict) -> BeamRequest:
+        """The request's prompt and settings, each checked against its bound."""
+        return BeamRequest(payload[self.field], *(self._bounded(payload, name, bound) for name, bound in
+                                                  (("beam_width", self.width), ("new_tokens", self.new_tokens),
+                                                   ("top", self.width))))
+
+    @staticmethod
+    def _bounded(payload: dict, name: str, bound: int) -> int | None:
+        value = payload.get(name)
+        if value is None:
+            return None
+        if type(value) is not int or not 1 <= value <= bound:
+            raise InputError(f"{name!r} must be an integer from 1 to {bound} (the archive's bound), got "
+                             + (str(value) if type(value) is int else json_type(value)), bound=name, limit=bound)
+        return value
+
+    def value(self, value: Any) -> BeamRequest:
+        """A request value as the task takes it: a BeamRequest, or a prompt alone."""
+        return value if isinstance(value, BeamRequest) else BeamRequest(value)
+
+    @property
+    def option_columns(self) -> int:
+        return 2
+
+    def options(self, value: Any) -> list[int]:
+        """The prompt's row of the graph's options: its beam width and new tokens."""
+        value = self.value(value)
+        return [value.beam_width or self.width, value.new_tokens or self.new_tokens]
+
+    # --- the request path ------------------------------------------------------------------------
     def encode(self, values: list[Any]) -> "list[list[list[int]] | InputError]":
         bound = self.spec.max_prompt_tokens
         out: list = []
-        for prompt in values:
+        for prompt in (self.value(v).prompt for v in values):
             try:
                 self.tokenizer.check(prompt, "prompt", "max_prompt_tokens", bound)
                 out.append(None)
             except InputError as e:
                 out.append(e)
         valid = [i for i, o in enumerate(out) if o is None]
-        for i, ids in zip(valid, self.tokenizer.encode([values[i] for i in valid])):
+        for i, ids in zip(valid, self.tokenizer.encode([self.value(values[i]).prompt for i in valid])):
             out[i] = InputError(f"prompt {ids}") if isinstance(ids, InputError) else [ids] if len(ids) <= bound else InputError(
                 f"prompt is {len(ids)} tokens with the template, over max_prompt_tokens={bound}",
                 bound="max_prompt_tokens", limit=bound)
         return out
 
-    def unpack(self, outputs: list[list], first: int, count: int) -> list[dict[str, Any]]:
-        rows, ends, scores = (out[first] for out in outputs)  # [W][new_tokens], [W], [W]
-        ids = [row[:end] for row, end in zip(rows, ends)]
-        return [{"text": text, "token_ids": i, "score": score}
-                for text, i, score in zip(self.tokenizer.decode_each(ids), ids, scores)]
+    def unpack(self, outputs: list[list], first: int, count: int, value: Any = None) -> list[dict[str, Any]]:
+        """The prompt's possible candidates, best first: at most its beam width, or its `top`."""
+        value = self.value(value)
+        rows, ends, scores = (out[first] for out in outputs[:3])  # [W][new_tokens], [W], [W]
+        keep = self._kept(scores, value)
+        ids = [rows[j][: ends[j]] for j in keep]
+        return [{"text": text, "token_ids": i, "score": scores[j]}
+                for text, i, j in zip(self.tokenizer.decode_each(ids), ids, keep)]
+
+    def _kept(self, scores: list[float], value: BeamRequest) -> list[int]:
+        count = min(value.beam_width or self.width, value.top or self.width)
+        return [j for j in range(count) if scores[j] > IMPOSSIBLE]
 
     def body(self, answer: list[dict[str, Any]]) -> dict:
         return {"candidates": answer}
@@ -89,11 +164,14 @@ class BeamTask(Task):
         w, n = self.width, self.new_tokens
         return [f"tokens int64 [prompts, {w}, {n}]", f"lengths int64 [prompts, {w}]", f"scores float32 [prompts, {w}]"]
 
+    def extra_inputs(self) -> list[str]:
+        return [f"options int32 [prompts, {self.option_columns}]: beam width, new tokens"]
+
     def constants(self) -> dict:
         return {"stop_ids": self.stop_ids}  # a candidate ends at one of these
 
-    def request_of(self, texts: list[str]) -> str:
-        return texts[0]
+    def request_of(self, texts: list[str]) -> BeamRequest:
+        return BeamRequest(texts[0])
 
     def difference(self, want: list[dict], got: list[dict]) -> Difference:
         scores = {tuple(c["token_ids"]): c["score"] for c in want}
@@ -108,7 +186,8 @@ class BeamTask(Task):
 
     def flops(self, model: ModelSpec, value: Any, precision: str) -> tuple[int, int]:
         (prompt,) = self.token_lengths(value)
-        w, n = self.width, self.new_tokens
+        value = self.value(value)
+        w, n = value.beam_width or self.width, value.new_tokens or self.new_tokens
         head_rows = 1 + w * (n - 1)  # the prompt's last row, then W rows per decode step
         total = (flops.prefill_flops(model, [prompt]) + flops.decode_flops(model, prompt, w, n)
                  + flops.head_flops(model, head_rows, model.vocab_size))

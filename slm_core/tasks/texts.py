@@ -25,6 +25,8 @@ class TextsTask(Task):
         super().__init__(spec, tokenizer)
         if spec.output not in ("probs", "logits"):
             raise SpecError(f"task key 'output' must be 'probs' or 'logits', got {spec.output!r}")
+        if spec.catalog is not None:
+            raise SpecError("task key 'catalog' is for beam tasks")
         if len(spec.labels) < 2:  # a classifier's come from its checkpoint (ClassifierGraph.resolve)
             raise SpecError("a score task needs at least two 'labels'")
 
@@ -79,7 +81,7 @@ class TextsTask(Task):
         for i, text in enumerate(texts):
             self.tokenizer.check(text, f"texts[{i}]", "max_text_tokens", self.spec.max_text_tokens)
 
-    def unpack(self, outputs: list[list], first: int, count: int) -> list[list[float]]:
+    def unpack(self, outputs: list[list], first: int, count: int, value: Any = None) -> list[list[float]]:
         return outputs[0][first : first + count]  # [texts][labels]
 
     def body(self, answer: list[list[float]]) -> dict:

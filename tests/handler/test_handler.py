@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -116,11 +117,12 @@ class FakeCuda:
         monkeypatch.setattr(torch.cuda, "set_device", lambda d: self.record("set_device", d))
         monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 0)
         monkeypatch.setattr(loader, "load_graph", lambda path, **kw: self.record("load", kw) or "graph")
-        monkeypatch.setattr(loader, "CudaGraphs", lambda graph, task, device: self.record("replay", device) or
+        monkeypatch.setattr(loader, "CudaGraphs", lambda graph, task, device, constants: self.record("replay", device) or
                             SimpleNamespace(graphs={}, capture=lambda stream: self.record("capture", stream)))
         monkeypatch.setattr(loader, "Engine", lambda graph, task, device, replay=None:
                             self.record("engine", (graph, device)) or
-                            SimpleNamespace(task=task, device=device, context=SimpleNamespace(replay=replay, stream="s")))
+                            SimpleNamespace(task=task, device=device, constants=(),
+                                            context=SimpleNamespace(replay=replay, stream="s")))
 
     def record(self, what, arg):
         self.calls.append((what, arg))
@@ -140,7 +142,7 @@ def test_worker_places_everything_on_its_gpu(archives, tmp_path, monkeypatch, gp
     assert handler.engine.device == device
     assert cuda.calls == [("set_device", device), ("capability", device),
                           ("load", {"run_single_threaded": True, "device_index": index}),
-                          ("replay", device), ("engine", ("graph", device)), ("capture", "s")]
+                          ("engine", ("graph", device)), ("replay", device), ("capture", "s")]
 
 
 def test_worker_without_cuda_graphs_loads_the_runner_for_several_threads(archives, tmp_path, monkeypatch):
@@ -173,7 +175,10 @@ def test_mps_running_finds_the_control_daemon_by_its_program(tmp_path):
     assert mps_running(fake)
     already = mps_running()  # the real /proc: a process that calls itself the daemon is found
     with subprocess.Popen(["nvidia-cuda-mps-control", "30"], executable="/bin/sleep") as daemon:
-        try:
+        try:  # its /proc/PID/cmdline reads empty until the child has exec'd (a loaded host: milliseconds)
+            deadline = time.monotonic() + 5
+            while not mps_running() and time.monotonic() < deadline:
+                time.sleep(0.01)
             assert mps_running()
         finally:
             daemon.kill()

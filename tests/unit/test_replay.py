@@ -93,10 +93,11 @@ class PaddedEager:
     def __init__(self, graph, task):
         self.graph, self.task, self.calls = graph, task, []
 
-    def __call__(self, ids, cu, n, t):
-        padded_n, padded_t = pad_inputs(ids, cu, n, t, bucket(self.task, n, t))
+    def __call__(self, ids, cu, options, n, t):
+        padded_n, padded_t = pad_inputs(ids, cu, options, n, t, bucket(self.task, n, t))
         self.calls.append((n, t, padded_n, padded_t))
-        return self.graph(ids[:padded_t].clone(), cu[: padded_n + 1].clone())
+        extra = [] if options is None else [options[:padded_n].clone()]
+        return self.graph(ids[:padded_t].clone(), cu[: padded_n + 1].clone(), *extra)
 
 
 def test_padded_calls_answer_as_unpadded(random_checkpoint):
@@ -152,7 +153,7 @@ def test_capture_records_every_bucket_of_the_grid_with_valid_calls(monkeypatch):
         t_ = task(**spec)
         calls = []
 
-        def graph(ids, cu, t_=t_):
+        def graph(ids, cu, *options, t_=t_):
             lengths = (cu[1:] - cu[:-1]).tolist()
             assert cu[0] == 0 and cu[-1] <= ids.shape[0] and all(1 <= x <= t_.sequence_tokens for x in lengths)
             calls.append((cu.shape[0] - 1, ids.shape[0]))
@@ -166,5 +167,6 @@ def test_capture_records_every_bucket_of_the_grid_with_valid_calls(monkeypatch):
         ids, cu = torch.zeros(t_.graph_tokens, dtype=torch.int32), torch.zeros(t_.graph_texts + 1, dtype=torch.int32)
         cu[1] = 5
         key = bucket(t_, 1, 5)[:2]
-        assert replay(ids, cu, 1, 5) is replay.graphs[key][1] and FakeGraph.replays[-1] is replay.graphs[key][0]
-        assert replay(ids, cu, 1, t_.graph_tokens + 1) is None
+        options = torch.zeros(t_.graph_texts, max(1, t_.option_columns), dtype=torch.int32) if t_.option_columns else None
+        assert replay(ids, cu, options, 1, 5) is replay.graphs[key][1] and FakeGraph.replays[-1] is replay.graphs[key][0]
+        assert replay(ids, cu, options, 1, t_.graph_tokens + 1) is None

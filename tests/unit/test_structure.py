@@ -118,7 +118,10 @@ def test_graphs_export_with_dynamic_shapes(random_checkpoint, arch):
         for lengths in batches:
             ids = torch.randint(0, vocab, (sum(lengths),), dtype=torch.int32)
             cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
-            ours, eager = program(ids, cu), beam.graph(ids, cu)
+            # each prompt its own width and new tokens, within the bounds
+            options = torch.tensor([[1 + i % beam.task.width, 1 + i % beam.task.new_tokens] for i in range(len(lengths))],
+                                   dtype=torch.int32)
+            ours, eager = program(ids, cu, options), beam.graph(ids, cu, options)
             assert torch.equal(ours[0], eager[0]) and torch.equal(ours[1], eager[1])
             torch.testing.assert_close(ours[2], eager[2], atol=1e-5, rtol=0)
 

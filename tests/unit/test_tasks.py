@@ -10,6 +10,7 @@ from conftest import train_tokenizer
 from slm_core import InputError, SpecError, TaskSpec
 from slm_core.spec import ModelSpec
 from slm_core.tasks import BeamTask, ClassifierTask, Difference, LabelsTask, task_class, task_for
+from slm_core.tasks.beam import BeamRequest
 from test_spec import QWEN3
 
 
@@ -66,7 +67,9 @@ def test_the_request_schema_is_the_tasks(tok):
                              ({"texts": [], "x": 1}, 'unknown fields "x"'), ([], "got an array")):
         with pytest.raises(InputError, match=re.escape(message)):
             score.request(payload)
-    assert task_for(TaskSpec(task="beam"), tok).request({"prompt": "a"}) == "a"
+    beam = task_for(TaskSpec(task="beam"), tok)
+    assert beam.request({"prompt": "a"}) == BeamRequest("a")
+    assert beam.request({"prompt": "a", "beam_width": 5, "top": 2}) == BeamRequest("a", 5, None, 2)
 
 
 def test_the_request_path_is_three_nodes_with_their_interfaces(tok):

@@ -39,8 +39,9 @@ def test_packing_writes_contiguous_ids_and_boundaries_and_nothing_for_a_refused_
     engine = Engine(lambda ids, cu: None, score, "cpu")
     engine.context.ids.fill_(-1)
     engine.context.cu.fill_(-1)
-    encoded = score.encode([["cheap flights", "x"], [], ["hotel in rome"]])
-    spans = engine._pack(encoded)
+    values = [["cheap flights", "x"], [], ["hotel in rome"]]
+    encoded = score.encode(values)
+    spans = engine._pack(encoded, values)
     assert isinstance(spans[1], InputError)
     a, c = spans[0], spans[2]
     expected = encoded[0] + encoded[2]

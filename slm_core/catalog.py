@@ -1,0 +1,268 @@
+"""A catalog of items for generative retrieval: each item an id and the token ids the model writes
+for it (a semantic ID, a title), as a prefix trie flattened into fixed-layout arrays.
+
+    catalog = Catalog.from_jsonl(path, tokenizer, stop_ids, max_tokens, vocab_size, max_items, max_nodes)
+    catalog.save(dir / CATALOG); Catalog.load(dir / CATALOG)   # what an archive holds and a worker reads
+
+The trie is stored level by level: level d holds the edges from the nodes at depth d to those at
+depth d+1, and the node an edge leads to is numbered by the edge (the root is node 0 of depth 0).
+Per level, for the graph (slm_core.build.catalog_graph):
+- `first` [nodes + 1] int32: node u's children are the edges first[u] .. first[u+1]-1, sorted by
+  token (CSR);
+- `edges` [edges, 3] int32: the edge's token as an index into `vocab`, the item its node completes
+  (-1: none) and `reach`, the fewest tokens of an item below it (items shorter than a request's
+  new_tokens can still be reached through it);
+- `slots` [F] int32: 0 .. F-1, F the level's largest fan-out (a graph input, so F is a size).
+Every level holds at least two edges and F >= 2 (padding edges no range covers): a size of 1
+would specialise the compiled graph, and a catalog swapped in later may differ.
+
+`vocab` [V'] int32 lists the token ids the catalog uses, the stop tokens first. Items are kept in
+the trie's sorted order: an item's index is its rank in it, and each node's items form one run of
+that order, which is what the per-request exclusion (`exclusion`) counts on the CPU.
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from slm_core.errors import SpecError, json_type
+
+CATALOG = "catalog.safetensors"  # in a package
+NO_ITEM = -1
+FAR = np.int32(1 << 20)  # a padding edge's reach: beyond every new_tokens
+
+
+@dataclass(frozen=True)
+class Level:
+    first: np.ndarray  # [nodes + 1] int32
+    edges: np.ndarray  # [edges, 3] int32: vocab index, item or -1, reach
+    start: np.ndarray  # [edges] int64: the first item (in sorted order) under each edge's node
+    stop: np.ndarray  # [edges] int64: one past its last
+
+    @property
+    def fanout(self) -> int:
+        return max(2, int(np.diff(self.first).max(initial=0)))
+
+
+class Catalog:
+    def __init__(self, ids: np.ndarray, tokens: np.ndarray, lengths: np.ndarray, levels: list[Level],
+                 vocab: np.ndarray, stops: int):
+        self.ids = ids  # [items] bytes (UTF-8), in sorted order
+        self.tokens = tokens  # [items, max_tokens] int32, -1 after the item's end
+        self.lengths = lengths  # [items] int32
+        self.levels = levels
+        self.vocab = vocab  # [V'] int32, the stop tokens first
+        self.stops = stops
+        self._order = np.argsort(ids, kind="stable")  # for id lookups
+        self._sorted_ids = ids[self._order]
+        # items of at most n tokens before each item index, n = 1 .. max_tokens: [max_tokens, items + 1]
+        self._short = np.zeros((tokens.shape[1], len(ids) + 1), dtype=np.int32)
+        for n in range(1, tokens.shape[1] + 1):
+            np.cumsum(lengths <= n, out=self._short[n - 1, 1:])
+
+    @property
+    def size(self) -> int:
+        return len(self.ids)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def nodes(self) -> int:
+        """Trie nodes below the root."""
+        return sum(int(np.count_nonzero(level.stop > level.start)) for level in self.levels)
+
+    def summary(self) -> dict:
+        return {"items": self.size, "trie_nodes": self.nodes, "tokens": int(len(self.vocab) - self.stops),
+                "fanout": [level.fanout for level in self.levels],
+                "item_tokens": [int(self.lengths.min()), int(self.lengths.max())],
+                "graph_bytes": sum(a.nbytes for a in self.graph_arrays())}  # on the graph's device
+
+    def item_id(self, index: int) -> str:
+        return self.ids[index].decode("utf-8")
+
+    # --- building -------------------------------------------------------------------------------
+    @classmethod
+    def from_jsonl(cls, path: "str | Path", tokenizer, stop_ids: list[int], max_tokens: int, vocab_size: int,
+                   max_items: int, max_nodes: int) -> "Catalog":
+        """A JSONL catalog, one item a line: {"id": ..., "tokens": [...]} or {"id": ..., "text": ...}
+        (text tokenized without special tokens). SpecError naming the line for what it cannot hold."""
+        ids, rows, lines, texts = [], [], [], {}
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                where = f"catalog {path} line {number}"
+                try:
+                    item = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise SpecError(f"{where}: not JSON ({e.msg})") from None
+                if not isinstance(item, dict) or set(item) - {"id", "tokens", "text"} or "id" not in item \
+                        or ("tokens" in item) == ("text" in item):
+                    raise SpecError(f'{where}: an item is {{"id": ..., "tokens": [...]}} or {{"id": ..., "text": "..."}}')
+                if not isinstance(item["id"], (str, int)) or isinstance(item["id"], bool) or item["id"] == "":
+                    raise SpecError(f"{where}: 'id' must be a non-empty string or an integer, got {json_type(item['id'])}")
+                if "text" in item:
+                    if not isinstance(item["text"], str) or not item["text"]:
+                        raise SpecError(f"{where}: 'text' must be a non-empty string")
+                    texts[len(rows)] = item["text"]
+                    rows.append(None)
+                else:
+                    tokens = item["tokens"]
+                    if not isinstance(tokens, list) or not tokens or not all(type(t) is int for t in tokens):
+                        raise SpecError(f"{where}: 'tokens' must be a non-empty array of token ids")
+                    rows.append(tokens)
+                ids.append(str(item["id"]))
+                lines.append(number)
+                if len(ids) > max_items:
+                    raise SpecError(f"{where}: the catalog holds more than max_items={max_items} items")
+        if not ids:
+            raise SpecError(f"catalog {path} holds no item")
+        if texts:
+            encoded = tokenizer.encode_batch_fast(list(texts.values()), add_special_tokens=False)
+            for i, enc in zip(texts, encoded):
+                if not enc.ids:
+                    raise SpecError(f"catalog {path} line {lines[i]}: its text encodes to no token")
+                rows[i] = enc.ids
+        stops = set(stop_ids)
+        for i, row in enumerate(rows):
+            where = f"catalog {path} line {lines[i]}"
+            if len(row) > max_tokens:
+                raise SpecError(f"{where}: the item is {len(row)} tokens, over new_tokens={max_tokens}")
+            if min(row) < 0 or max(row) >= vocab_size:
+                raise SpecError(f"{where}: token {max(row) if max(row) >= vocab_size else min(row)} is outside "
+                                f"the vocabulary (0 .. {vocab_size - 1})")
+            if stops.intersection(row):
+                raise SpecError(f"{where}: the item holds the stop token {sorted(stops.intersection(row))[0]}, "
+                                "which ends a candidate")
+            if len(row) < max_tokens and not stops:
+                raise SpecError(f"{where}: the item is shorter than new_tokens={max_tokens}, and only a stop "
+                                "token (task key 'stop') can end it")
+        return cls.build(ids, rows, lines, list(stop_ids), max_tokens, max_nodes, str(path))
+
+    @classmethod
+    def build(cls, ids: list[str], rows: list[list[int]], lines: list[int], stop_ids: list[int], max_tokens: int,
+              max_nodes: int, where: str = "catalog") -> "Catalog":
+        seen: dict[str, int] = {}
+        for item_id, line in zip(ids, lines):
+            if item_id in seen:
+                raise SpecError(f"{where} line {line}: id {item_id!r} is also on line {seen[item_id]}")
+            seen[item_id] = line
+        count = len(rows)
+        matrix = np.full((count, max_tokens), -1, dtype=np.int32)
+        for i, row in enumerate(rows):
+            matrix[i, : len(row)] = row
+        order = np.lexsort(matrix.T[::-1])  # lexicographic; a prefix (-1 after it) before its extensions
+        matrix, lengths = matrix[order], (matrix[order] >= 0).sum(1).astype(np.int32)
+        same = np.flatnonzero((matrix[1:] == matrix[:-1]).all(1))
+        if same.size:
+            a, b = sorted((lines[order[same[0]]], lines[order[same[0] + 1]]))
+            raise SpecError(f"{where} line {b}: the item has the same tokens as line {a}")
+        vocab = np.array(stop_ids + sorted(set(np.unique(matrix[matrix >= 0]).tolist()) - set(stop_ids)),
+                         dtype=np.int32)
+        levels, parents_start = [], np.zeros(1, dtype=np.int64)  # the root: every item
+        differs = np.zeros(count, dtype=bool)
+        differs[0] = True
+        for depth in range(1, max_tokens + 1):
+            col = depth - 1
+            differs[1:] |= matrix[1:, col] != matrix[:-1, col]
+            inside = lengths >= depth
+            starts = np.flatnonzero(inside & differs)
+            # a node's run ends where its items do: at the next node, or at a shorter item
+            runs_end = np.flatnonzero(inside[:-1] & ~(inside[1:] & ~differs[1:])) + 1
+            runs_end = np.append(runs_end, count) if inside[-1] else runs_end
+            stops = runs_end[np.searchsorted(runs_end, starts, side="right")]
+            parent = np.searchsorted(parents_start, starts, side="right") - 1
+            first = np.searchsorted(parent, np.arange(len(parents_start) + 1)).astype(np.int32)
+            ends_item = lengths[starts] == depth
+            reach = np.minimum.reduceat(np.where(inside, lengths, FAR), starts) if starts.size else starts
+            edges = np.stack([np.searchsorted(vocab[len(stop_ids):], matrix[starts, col]) + len(stop_ids),
+                              np.where(ends_item, starts, NO_ITEM), reach], axis=1).astype(np.int32)
+            levels.append(_padded(first, edges, starts, stops, count))
+            parents_start = np.append(starts, [count] * (levels[-1].edges.shape[0] - starts.size))
+        if len(vocab) < 2:
+            vocab = np.append(vocab, vocab[:1])
+        catalog = cls(np.array([ids[i].encode("utf-8") for i in order]), matrix, lengths, levels, vocab, len(stop_ids))
+        if catalog.nodes > max_nodes:
+            raise SpecError(f"{where}: the trie has {catalog.nodes} nodes, over max_trie_nodes={max_nodes}")
+        return catalog
+
+    # --- files --------------------------------------------------------------------------------------
+    def save(self, path: "str | Path") -> None:
+        from safetensors.numpy import save_file
+
+        blob = np.frombuffer(b"".join(self.ids), dtype=np.uint8)
+        offsets = np.cumsum([0] + [len(i) for i in self.ids]).astype(np.int64)
+        arrays = {"ids": blob, "id_offsets": offsets, "tokens": self.tokens, "vocab": self.vocab,
+                  "stops": np.array([self.stops], dtype=np.int32)}
+        for d, level in enumerate(self.levels):
+            arrays.update({f"first{d}": level.first, f"edges{d}": level.edges, f"start{d}": level.start,
+                           f"stop{d}": level.stop})
+        save_file(arrays, str(path))
+
+    @classmethod
+    def load(cls, path: "str | Path") -> "Catalog":
+        from safetensors.numpy import load_file
+
+        a = load_file(str(path))
+        blob, offsets = a["ids"].tobytes(), a["id_offsets"]
+        ids = np.array([blob[offsets[i]: offsets[i + 1]] for i in range(len(offsets) - 1)])
+        tokens = a["tokens"]
+        levels = [Level(a[f"first{d}"], a[f"edges{d}"], a[f"start{d}"], a[f"stop{d}"]) for d in range(tokens.shape[1])]
+        return cls(ids, tokens, (tokens >= 0).sum(1).astype(np.int32), levels, a["vocab"], int(a["stops"][0]))
+
+    # --- the request path ----------------------------------------------------------------------
+    def graph_arrays(self) -> list[np.ndarray]:
+        """The graph's catalog inputs: vocab, then per level first, edges, slots."""
+        out = [self.vocab]
+        for level in self.levels:
+            out += [level.first, level.edges, np.arange(level.fanout, dtype=np.int32)]
+        return out
+
+    def lookup(self, item_ids: list[str]) -> tuple[list[int], int]:
+        """The item indices of the ids that are in the catalog, and how many are not."""
+        keys = np.array([i.encode("utf-8") for i in item_ids]) if item_ids else np.array([], dtype="S1")
+        at = np.searchsorted(self._sorted_ids, keys)
+        found = (at < self.size) & (self._sorted_ids[np.minimum(at, self.size - 1)] == keys)
+        return sorted(set(self._order[at[found]].tolist())), int(np.count_nonzero(~found))
+
+    def exclusion(self, items: list[int], new_tokens: int, slots: int) -> tuple[np.ndarray, np.ndarray]:
+        """A request's excluded items (indices) as the graph applies them, the catalog as if they
+        were not in it for a request of `new_tokens`: per level, the edges whose node leads to no
+        other item of at most new_tokens tokens ([max_tokens, slots], -1 padded), and per depth
+        the nodes whose item is excluded, where a stop ends it ([max_tokens, slots])."""
+        killed = np.full((self.max_tokens, slots), -1, dtype=np.int32)
+        stopped = np.full((self.max_tokens, slots), -1, dtype=np.int32)
+        through: dict[tuple[int, int], int] = {}
+        for item in items:
+            length = int(self.lengths[item])
+            if length > new_tokens:
+                continue  # this request cannot write it
+            for depth in range(1, length + 1):
+                key = (depth, self._node(item, depth))
+                through[key] = through.get(key, 0) + 1
+            stopped[length - 1, np.argmax(stopped[length - 1] < 0)] = self._node(item, length)
+        short = self._short[new_tokens - 1]
+        for (depth, node), gone in through.items():
+            level = self.levels[depth - 1]
+            if short[level.stop[node]] - short[level.start[node]] == gone:
+                row = killed[depth - 1]
+                row[np.argmax(row < 0)] = node
+        return killed, stopped
+
+    def _node(self, item: int, depth: int) -> int:
+        """The node at `depth` on the item's path: the last node of that depth starting at or before it."""
+        return int(np.searchsorted(self.levels[depth - 1].start, item, side="right") - 1)
+
+
+def _padded(first: np.ndarray, edges: np.ndarray, starts: np.ndarray, stops: np.ndarray, items: int) -> Level:
+    """A level with padding edges behind the real ones (no node's range covers them) up to at least
+    two: they lead to nodes without children or items (an empty run at the end of the order)."""
+    pad = max(1, 2 - edges.shape[0])
+    filler = np.tile(np.array([[0, NO_ITEM, FAR]], dtype=np.int32), (pad, 1))
+    empty = np.full(pad, items, dtype=np.int64)
+    return Level(first, np.concatenate([edges, filler]), np.concatenate([starts, empty]),
+                 np.concatenate([stops, empty]))

@@ -1,0 +1,136 @@
+"""Generative retrieval: beam search constrained to a catalog of items (slm_core.catalog). Each step
+allows a beam only the continuations of its trie node (and a stop token where an item ends), so
+every candidate completes an item and is answered with the item's id. As transformers'
+generate(..., prefix_allowed_tokens_fn=<the same trie>) ranks them; fewer than W candidates where
+the catalog holds fewer.
+
+A request may also `exclude` item ids (sold out, already shown): the search runs as if the
+catalog did not hold them. Ids the catalog does not hold are ignored and counted in the answer.
+"""
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slm_core import flops
+from slm_core.catalog import CATALOG, Catalog
+from slm_core.errors import InputError, SpecError, json_type
+from slm_core.spec import ModelSpec
+from slm_core.tasks.beam import BeamRequest, BeamTask
+
+
+@dataclass(frozen=True)
+class CatalogRequest(BeamRequest):
+    exclude: tuple[str, ...] = ()
+
+
+class CatalogTask(BeamTask):
+    graph = "catalog"
+    answer = ("candidates",)
+    options_fields = ("beam_width", "new_tokens", "top", "exclude")
+
+    def __init__(self, spec, tokenizer):
+        super().__init__(spec, tokenizer)
+        path = Path(spec.catalog)
+        if path.suffix == ".safetensors":  # a package's, built already
+            self.catalog = Catalog.load(path)
+        else:
+            self.catalog = Catalog.from_jsonl(path, self.tokenizer.tokenizer, self.stop_ids, spec.new_tokens,
+                                              self.tokenizer.tokenizer.get_vocab_size(with_added_tokens=True),
+                                              spec.max_items, spec.max_trie_nodes)
+        if self.catalog.max_tokens != spec.new_tokens or self.catalog.vocab[: self.catalog.stops].tolist() != self.stop_ids:
+            raise SpecError(f"catalog {path} was built for another new_tokens or stop tokens: rebuild it")
+        for what, have, bound in (("items", self.catalog.size, spec.max_items),
+                                  ("trie nodes", self.catalog.nodes, spec.max_trie_nodes)):
+            if have > bound:
+                raise SpecError(f"catalog {path} has {have} {what}, over the task's bound {bound}")
+
+    @classmethod
+    def matches(cls, spec) -> bool:
+        return spec.task == cls.kind and spec.catalog is not None
+
+    # --- a request's settings --------------------------------------------------------------------
+    def settings(self, payload: dict) -> CatalogRequest:
+        base = super().settings(payload)
+        exclude = payload.get("exclude", [])
+        bound = self.spec.max_exclude
+        if not isinstance(exclude, list) or not all(isinstance(i, (str, int)) and not isinstance(i, bool)
+                                                     for i in exclude):
+            raise InputError(f"'exclude' must be an array of item ids, got {json_type(exclude)}"
+                             if not isinstance(exclude, list) else "'exclude' must hold item ids (strings or integers)")
+        if len(exclude) > bound:
+            raise InputError(f"'exclude' holds {len(exclude)} ids, over max_exclude={bound}", bound="max_exclude",
+                             limit=bound)
+        return CatalogRequest(base.prompt, base.beam_width, base.new_tokens, base.top, tuple(map(str, exclude)))
+
+    def value(self, value: Any) -> CatalogRequest:
+        if isinstance(value, CatalogRequest):
+            return value
+        if isinstance(value, BeamRequest):
+            return CatalogRequest(value.prompt, value.beam_width, value.new_tokens, value.top)
+        return CatalogRequest(value)
+
+    @property
+    def option_columns(self) -> int:
+        return 2 + 2 * self.new_tokens * self.spec.max_exclude
+
+    def options(self, value: Any) -> list[int]:
+        """Beam width, new tokens, then the exclusion as slm_core.catalog.Catalog.exclusion gives it."""
+        value = self.value(value)
+        row = super().options(value)
+        items, _ = self.catalog.lookup(list(value.exclude))
+        killed, stopped = self.catalog.exclusion(items, row[1], self.spec.max_exclude)
+        return row + killed.ravel().tolist() + stopped.ravel().tolist()
+
+    def write_data(self, package: Path):
+        self.catalog.save(package / CATALOG)
+        return replace(self.spec, catalog=CATALOG)
+
+    def graph_constants(self) -> list[torch.Tensor]:
+        return [torch.from_numpy(a) for a in self.catalog.graph_arrays()]
+
+    def constant_bounds(self) -> list[int]:
+        vocab, nodes = self.tokenizer.tokenizer.get_vocab_size(with_added_tokens=True), self.spec.max_trie_nodes
+        return [vocab + 2] + [nodes + 3, nodes + 2, vocab + 2] * self.new_tokens
+
+    def extra_inputs(self) -> list[str]:
+        e, n = self.spec.max_exclude, self.new_tokens
+        return [f"options int32 [prompts, {self.option_columns}]: beam width, new tokens, excluded edges [{n}, {e}] "
+                f"and item ends [{n}, {e}]",
+                "vocab int32 [catalog tokens]: the stop tokens first",
+                *(f"level{d} first int32 [nodes + 1], edges int32 [edges, 3], slots int32 [fan-out]" for d in range(n))]
+
+    # --- answers ---------------------------------------------------------------------------------
+    def unpack(self, outputs: list[list], first: int, count: int, value: Any = None) -> dict[str, Any]:
+        value = self.value(value)
+        items = outputs[3][first]  # best first, as the candidates kept
+        candidates = [{"id": self.catalog.item_id(item), **c}
+                      for c, item in zip(super().unpack(outputs, first, count, value), items)]
+        answer: dict[str, Any] = {"candidates": candidates}
+        if value.exclude:
+            answer["unknown_exclude"] = self.catalog.lookup(list(value.exclude))[1]
+        return answer
+
+    def body(self, answer: dict[str, Any]) -> dict:
+        return answer
+
+    def outputs(self) -> list[str]:
+        return super().outputs() + [f"items int64 [prompts, {self.width}]: the item each candidate completes"]
+
+    def constants(self) -> dict:
+        return {"stop_ids": self.stop_ids, "catalog": {"file": CATALOG, **self.catalog.summary()},
+                "scores": self.spec.catalog_scores}
+
+    def difference(self, want, got):
+        return super().difference(want["candidates"], got["candidates"])
+
+    def flops(self, model: ModelSpec, value: Any, precision: str) -> tuple[int, int]:
+        total, fp8 = super().flops(model, value, precision)
+        if self.spec.catalog_scores == "catalog":  # the LM head over the catalog's tokens only
+            value = self.value(value)
+            w, n = value.beam_width or self.width, value.new_tokens or self.new_tokens
+            rows = 1 + w * (n - 1)
+            total -= flops.head_flops(model, rows, model.vocab_size) - flops.head_flops(model, rows, len(self.catalog.vocab))
+        return total, fp8
