@@ -82,11 +82,11 @@ profile)
     done ;;
 catalog)
     # a catalog swapped into the W4 archive: a second 1M-item catalog, as a new archive version
-    python3 -c "from pathlib import Path; from bench.workloads import catalog_items; catalog_items(Path('$WORK/catalog2.jsonl'), seed=1)"
+    python3 -c "from pathlib import Path; from bench.workloads import catalog_items; catalog_items(Path('$WORK/catalog-1000000-1.jsonl'), seed=1)"
     for mar in "$WORK"/model-store/slm_retrieve_qwen25_b?.mar; do
         [ -e "$mar" ] || continue
         start=$(date +%s%N)
-        python3 -m archiver catalog --archive "$mar" --catalog "$WORK/catalog2.jsonl" --version 2.0 --export-path "$WORK/swap"
+        python3 -m archiver catalog --archive "$mar" --catalog "$WORK/catalog-1000000-1.jsonl" --version 2.0 --export-path "$WORK/swap"
         echo "catalog swap of $(basename "$mar"): $(( ($(date +%s%N) - start) / 1000000 )) ms"
     done ;;
 reliability)

@@ -502,7 +502,7 @@ def plan(args, work: Path):
     chosen = {k: WORKLOADS[k] for k in args.workloads.split(",")}
     for k, w in chosen.items():
         if "max_items" in w.task:  # a retrieval workload: its catalog, written once per work dir
-            chosen[k] = dataclasses.replace(w, task={**w.task, "catalog": str(catalog_items(work / "catalog.jsonl"))})
+            chosen[k] = dataclasses.replace(w, task={**w.task, "catalog": str(catalog_items(work / "catalog-1000000-0.jsonl"))})
     checkpoints = {}
     for k, w in chosen.items():
         log(f"random {w.arch['model_type']} checkpoint for {k}")

@@ -58,15 +58,18 @@ WORKLOADS = {
 
 def catalog_items(path: Path, count: int = 1_000_000, seed: int = 0) -> Path:
     """A JSONL catalog of up to `count` items, each a 4-token semantic ID, one token from each of 4
-    ranges of 256 ids, drawn uniformly and deduplicated: {"id": "sku-N", "tokens": [...]}."""
+    ranges of 256 ids, drawn uniformly and deduplicated: {"id": "sku-SEED-N", "tokens": [...]}.
+    Written once: a path that exists is taken as it is (name it by count and seed)."""
     if path.exists():
         return path
     codes = np.unique(np.random.default_rng(seed).integers(0, 256, (count, 4)), axis=0)
     tokens = codes + SEMANTIC_ID_BASE + 256 * np.arange(4)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
+    part = path.with_suffix(".part")  # a run that stops half way leaves no catalog behind
+    with part.open("w") as f:
         for i, row in enumerate(tokens.tolist()):
             f.write(json.dumps({"id": f"sku-{seed}-{i}", "tokens": row}) + "\n")
+    part.rename(path)
     return path
 
 

@@ -39,7 +39,7 @@ class Level:
     first: np.ndarray  # [nodes + 1] int32
     edges: np.ndarray  # [edges, 3] int32: vocab index, item or -1, reach
     start: np.ndarray  # [edges] int64: the first item (in sorted order) under each edge's node
-    stop: np.ndarray  # [edges] int64: one past its last
+    end: np.ndarray  # [edges] int64: one past its last
 
     @property
     def fanout(self) -> int:
@@ -48,13 +48,13 @@ class Level:
 
 class Catalog:
     def __init__(self, ids: np.ndarray, tokens: np.ndarray, lengths: np.ndarray, levels: list[Level],
-                 vocab: np.ndarray, stops: int):
+                 vocab: np.ndarray, stop_count: int):
         self.ids = ids  # [items] bytes (UTF-8), in sorted order
         self.tokens = tokens  # [items, max_tokens] int32, -1 after the item's end
         self.lengths = lengths  # [items] int32
         self.levels = levels
         self.vocab = vocab  # [V'] int32, the stop tokens first
-        self.stops = stops
+        self.stop_count = stop_count
         self._order = np.argsort(ids, kind="stable")  # for id lookups
         self._sorted_ids = ids[self._order]
         # items of at most n tokens before each item index, n = 1 .. max_tokens: [max_tokens, items + 1]
@@ -73,10 +73,10 @@ class Catalog:
     @property
     def nodes(self) -> int:
         """Trie nodes below the root."""
-        return sum(int(np.count_nonzero(level.stop > level.start)) for level in self.levels)
+        return sum(int(np.count_nonzero(level.end > level.start)) for level in self.levels)
 
     def summary(self) -> dict:
-        return {"items": self.size, "trie_nodes": self.nodes, "tokens": int(len(self.vocab) - self.stops),
+        return {"items": self.size, "trie_nodes": self.nodes, "tokens": int(len(self.vocab) - self.stop_count),
                 "fanout": [level.fanout for level in self.levels],
                 "item_tokens": [int(self.lengths.min()), int(self.lengths.max())],
                 "graph_bytes": sum(a.nbytes for a in self.graph_arrays())}  # on the graph's device
@@ -100,14 +100,19 @@ class Catalog:
                     item = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise SpecError(f"{where}: not JSON ({e.msg})") from None
+                except ValueError as e:  # an integer past Python's digit limit
+                    raise SpecError(f"{where}: {e}") from None
                 if not isinstance(item, dict) or set(item) - {"id", "tokens", "text"} or "id" not in item \
                         or ("tokens" in item) == ("text" in item):
                     raise SpecError(f'{where}: an item is {{"id": ..., "tokens": [...]}} or {{"id": ..., "text": "..."}}')
                 if not isinstance(item["id"], (str, int)) or isinstance(item["id"], bool) or item["id"] == "":
                     raise SpecError(f"{where}: 'id' must be a non-empty string or an integer, got {json_type(item['id'])}")
+                _check_id(str(item["id"]), where)
                 if "text" in item:
                     if not isinstance(item["text"], str) or not item["text"]:
                         raise SpecError(f"{where}: 'text' must be a non-empty string")
+                    if not _utf8(item["text"]):
+                        raise SpecError(f"{where}: 'text' holds a lone surrogate, which UTF-8 cannot carry")
                     texts[len(rows)] = item["text"]
                     rows.append(None)
                 else:
@@ -127,7 +132,7 @@ class Catalog:
                 if not enc.ids:
                     raise SpecError(f"catalog {path} line {lines[i]}: its text encodes to no token")
                 rows[i] = enc.ids
-        stops = set(stop_ids)
+        stop_set = set(stop_ids)
         for i, row in enumerate(rows):
             where = f"catalog {path} line {lines[i]}"
             if len(row) > max_tokens:
@@ -135,13 +140,13 @@ class Catalog:
             if min(row) < 0 or max(row) >= vocab_size:
                 raise SpecError(f"{where}: token {max(row) if max(row) >= vocab_size else min(row)} is outside "
                                 f"the vocabulary (0 .. {vocab_size - 1})")
-            if stops.intersection(row):
-                raise SpecError(f"{where}: the item holds the stop token {sorted(stops.intersection(row))[0]}, "
+            if stop_set.intersection(row):
+                raise SpecError(f"{where}: the item holds the stop token {sorted(stop_set.intersection(row))[0]}, "
                                 "which ends a candidate")
-            if len(row) < max_tokens and not stops:
+            if len(row) < max_tokens and not stop_set:
                 raise SpecError(f"{where}: the item is shorter than new_tokens={max_tokens}, and only a stop "
                                 "token (task key 'stop') can end it")
-        return cls.build(ids, rows, lines, list(stop_ids), max_tokens, max_nodes, str(path))
+        return cls.build(ids, rows, lines, list(stop_ids), max_tokens, max_nodes, f"catalog {path}")
 
     @classmethod
     def build(cls, ids: list[str], rows: list[list[int]], lines: list[int], stop_ids: list[int], max_tokens: int,
@@ -174,17 +179,17 @@ class Catalog:
             # a node's run ends where its items do: at the next node, or at a shorter item
             runs_end = np.flatnonzero(inside[:-1] & ~(inside[1:] & ~differs[1:])) + 1
             runs_end = np.append(runs_end, count) if inside[-1] else runs_end
-            stops = runs_end[np.searchsorted(runs_end, starts, side="right")]
+            ends = runs_end[np.searchsorted(runs_end, starts, side="right")]
             parent = np.searchsorted(parents_start, starts, side="right") - 1
             first = np.searchsorted(parent, np.arange(len(parents_start) + 1)).astype(np.int32)
             ends_item = lengths[starts] == depth
             reach = np.minimum.reduceat(np.where(inside, lengths, FAR), starts) if starts.size else starts
             edges = np.stack([np.searchsorted(vocab[len(stop_ids):], matrix[starts, col]) + len(stop_ids),
                               np.where(ends_item, starts, NO_ITEM), reach], axis=1).astype(np.int32)
-            levels.append(_padded(first, edges, starts, stops, count))
+            levels.append(_padded(first, edges, starts, ends, count))
             parents_start = np.append(starts, [count] * (levels[-1].edges.shape[0] - starts.size))
-        if len(vocab) < 2:
-            vocab = np.append(vocab, vocab[:1])
+        if len(vocab) < 2:  # a graph size of 1 would specialise; a padding token would count in the scores
+            raise SpecError(f"{where}: the catalog and the stop tokens use one token; a catalog needs two or more")
         catalog = cls(np.array([ids[i].encode("utf-8") for i in order]), matrix, lengths, levels, vocab, len(stop_ids))
         if catalog.nodes > max_nodes:
             raise SpecError(f"{where}: the trie has {catalog.nodes} nodes, over max_trie_nodes={max_nodes}")
@@ -197,10 +202,10 @@ class Catalog:
         blob = np.frombuffer(b"".join(self.ids), dtype=np.uint8)
         offsets = np.cumsum([0] + [len(i) for i in self.ids]).astype(np.int64)
         arrays = {"ids": blob, "id_offsets": offsets, "tokens": self.tokens, "vocab": self.vocab,
-                  "stops": np.array([self.stops], dtype=np.int32)}
+                  "stops": np.array([self.stop_count], dtype=np.int32)}
         for d, level in enumerate(self.levels):
             arrays.update({f"first{d}": level.first, f"edges{d}": level.edges, f"start{d}": level.start,
-                           f"stop{d}": level.stop})
+                           f"end{d}": level.end})
         save_file(arrays, str(path))
 
     @classmethod
@@ -211,7 +216,7 @@ class Catalog:
         blob, offsets = a["ids"].tobytes(), a["id_offsets"]
         ids = np.array([blob[offsets[i]: offsets[i + 1]] for i in range(len(offsets) - 1)])
         tokens = a["tokens"]
-        levels = [Level(a[f"first{d}"], a[f"edges{d}"], a[f"start{d}"], a[f"stop{d}"]) for d in range(tokens.shape[1])]
+        levels = [Level(a[f"first{d}"], a[f"edges{d}"], a[f"start{d}"], a[f"end{d}"]) for d in range(tokens.shape[1])]
         return cls(ids, tokens, (tokens >= 0).sum(1).astype(np.int32), levels, a["vocab"], int(a["stops"][0]))
 
     # --- the request path ----------------------------------------------------------------------
@@ -223,11 +228,15 @@ class Catalog:
         return out
 
     def lookup(self, item_ids: list[str]) -> tuple[list[int], int]:
-        """The item indices of the ids that are in the catalog, and how many are not."""
-        keys = np.array([i.encode("utf-8") for i in item_ids]) if item_ids else np.array([], dtype="S1")
-        at = np.searchsorted(self._sorted_ids, keys)
-        found = (at < self.size) & (self._sorted_ids[np.minimum(at, self.size - 1)] == keys)
-        return sorted(set(self._order[at[found]].tolist())), int(np.count_nonzero(~found))
+        """The item indices of the distinct ids that are in the catalog, and how many distinct ids
+        are not. An id longer than the catalog's longest (or not UTF-8) is not in it, and is never
+        compared: a search casts the catalog's ids to the key's width."""
+        width = self._sorted_ids.dtype.itemsize
+        keys = {i.encode("utf-8") for i in set(item_ids) if _utf8(i)}
+        fits = np.array(sorted(k for k in keys if len(k) <= width), dtype=self._sorted_ids.dtype)
+        at = np.searchsorted(self._sorted_ids, fits)
+        found = (at < self.size) & (self._sorted_ids[np.minimum(at, self.size - 1)] == fits)
+        return sorted(self._order[at[found]].tolist()), len(set(item_ids)) - int(np.count_nonzero(found))
 
     def exclusion(self, items: list[int], new_tokens: int, slots: int) -> tuple[np.ndarray, np.ndarray]:
         """A request's excluded items (indices) as the graph applies them, the catalog as if they
@@ -248,7 +257,7 @@ class Catalog:
         short = self._short[new_tokens - 1]
         for (depth, node), gone in through.items():
             level = self.levels[depth - 1]
-            if short[level.stop[node]] - short[level.start[node]] == gone:
+            if short[level.end[node]] - short[level.start[node]] == gone:
                 row = killed[depth - 1]
                 row[np.argmax(row < 0)] = node
         return killed, stopped
@@ -258,11 +267,32 @@ class Catalog:
         return int(np.searchsorted(self.levels[depth - 1].start, item, side="right") - 1)
 
 
-def _padded(first: np.ndarray, edges: np.ndarray, starts: np.ndarray, stops: np.ndarray, items: int) -> Level:
-    """A level with padding edges behind the real ones (no node's range covers them) up to at least
-    two: they lead to nodes without children or items (an empty run at the end of the order)."""
+MAX_ID_BYTES = 256  # an item id's UTF-8 length: every worker holds ids x the longest
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate
+        return False
+    return True
+
+
+def _check_id(item_id: str, where: str) -> None:
+    if not _utf8(item_id):
+        raise SpecError(f"{where}: 'id' holds a lone surrogate, which UTF-8 cannot carry")
+    if "\x00" in item_id:
+        raise SpecError(f"{where}: 'id' holds a NUL character")
+    if len(item_id.encode("utf-8")) > MAX_ID_BYTES:
+        raise SpecError(f"{where}: 'id' is {len(item_id.encode('utf-8'))} bytes in UTF-8, over {MAX_ID_BYTES}")
+
+
+def _padded(first: np.ndarray, edges: np.ndarray, starts: np.ndarray, ends: np.ndarray, items: int) -> Level:
+    """A level with padding edges behind the real ones (no node's range covers them): one, or as
+    many as make two edges. They lead to nodes without children or items (an empty run at the
+    end of the order)."""
     pad = max(1, 2 - edges.shape[0])
     filler = np.tile(np.array([[0, NO_ITEM, FAR]], dtype=np.int32), (pad, 1))
     empty = np.full(pad, items, dtype=np.int64)
     return Level(first, np.concatenate([edges, filler]), np.concatenate([starts, empty]),
-                 np.concatenate([stops, empty]))
+                 np.concatenate([ends, empty]))

@@ -41,15 +41,16 @@ class CatalogGraph(BeamGraph):
         return (torch.zeros(b, 1, dtype=torch.int64, device=device),  # the root
                 torch.zeros(b, 1, dtype=torch.bool, device=device))
 
-    def head(self, constants):
+    def head(self, constants: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
         if not self.local_scores:
             return None
         return self.model.lm_head.weight.index_select(0, constants[0].long())  # [V', hidden]
 
-    def logits(self, hidden, head):
+    def logits(self, hidden: torch.Tensor, head: torch.Tensor | None) -> torch.Tensor:
         return self.model.logits(hidden) if head is None else F.linear(self.model.norm(hidden), head)
 
-    def expand(self, logits, cum, state, step, options, constants):
+    def expand(self, logits: torch.Tensor, cum: torch.Tensor, state: tuple[torch.Tensor, ...], step: int,
+               options: torch.Tensor, constants: tuple[torch.Tensor, ...]) -> tuple:
         node, ended = state  # [B, K] each
         b, beams = cum.shape
         d, e, s = step - 1, self.exclude, self.stop_ids.shape[0]
@@ -62,16 +63,20 @@ class CatalogGraph(BeamGraph):
         lo, hi = first[u].long(), first[u + 1].long()
         idx = (lo[:, None] + slots[None, :].long()).clamp_max(edges.shape[0] - 1)  # [R, F] edges at level d
         edge = edges[idx].long()  # [R, F, 3]: vocab index, item, reach
-        killed = options[:, 2 + d * e : 2 + (d + 1) * e].long()  # [B, E]
-        excluded = (idx.view(b, beams * f, 1) == killed[:, None, :]).any(-1).view(-1, f)
+        # the request's excluded edges of this level, as slots of each beam's node: O(R * E)
+        killed = options[:, 2 + d * e : 2 + (d + 1) * e].long().repeat_interleave(beams, 0)  # [R, E], -1 padded
+        at = killed - lo[:, None]
+        at = torch.where((killed >= 0) & (at >= 0) & (at < f), at, f)  # column f: not a slot of this node
+        excluded = torch.zeros(u.shape[0], f + 1, dtype=torch.bool, device=u.device).scatter(1, at, True)[:, :f]
         valid = ((lo[:, None] + slots[None, :]) < hi[:, None]) & (edge[..., 2] <= limit) & ~excluded & ~ended.reshape(-1, 1)
 
-        if d == 0:  # the root completes no item
+        if d == 0:  # the root completes no item, so no stop is excluded there
             completes = torch.full_like(u, -1)
+            stop_excluded = torch.zeros_like(ended.reshape(-1))
         else:
             completes = constants[2 + 3 * (d - 1)][u, 1].long()  # the item u completes, or -1
-        ends_here = options[:, 2 + (self.new_tokens + d - 1) * e : 2 + (self.new_tokens + d) * e].long()
-        stop_excluded = (u.view(b, beams, 1) == ends_here[:, None, :]).any(-1).reshape(-1) if d > 0 else ended.reshape(-1)
+            ends_here = options[:, 2 + (self.new_tokens + d - 1) * e : 2 + (self.new_tokens + d) * e].long()
+            stop_excluded = (u.view(b, beams, 1) == ends_here[:, None, :]).any(-1).reshape(-1)
         stop_ok = ((completes >= 0) & ~stop_excluded) | ended.reshape(-1)  # [R]
 
         children_cols = edge[..., 0] if self.local_scores else vocab[edge[..., 0]]

@@ -81,16 +81,15 @@ def _round_tokens(t: int) -> int:
     return -(-t // step) * step
 
 
-def pad_inputs(ids: torch.Tensor, cu: torch.Tensor, options: torch.Tensor | None, sequences: int, tokens: int,
+def pad_inputs(ids: torch.Tensor, cu: torch.Tensor, sequences: int, tokens: int,
                bucketed: tuple[int, int, list[int]]) -> tuple[int, int]:
-    """Pad the packed call in the host buffers ids/cu/options (sized to the task's graph bounds)
-    to its bucket: padding sequences of the bucket's lengths behind it (options as the first
-    sequence's), then the tail; returns the padded (sequences, tokens)."""
+    """Pad the packed call in the host buffers ids/cu (sized to the task's graph bounds) to its
+    bucket: padding sequences of the bucket's lengths behind it, then the tail; returns the padded
+    (sequences, tokens). A task's options rows need no padding: the tasks that pad with
+    sequences take no options (CudaGraphs checks)."""
     padded_n, padded_t, lengths = bucketed
     if lengths:
         cu[sequences + 1 : padded_n + 1] = torch.tensor(lengths, dtype=cu.dtype).cumsum(0) + tokens
-        if options is not None:
-            options[sequences:padded_n] = options[0]
     ids[tokens:padded_t] = PAD_TOKEN
     return padded_n, padded_t
 
@@ -100,6 +99,9 @@ class CudaGraphs:
     CUDA graphs capture() records, one per bucket; a call of another size runs the graph as it is."""
 
     def __init__(self, graph, task: Task, device: torch.device, constants: tuple[torch.Tensor, ...] = ()):
+        if task.pad_sequences and task.option_columns:
+            raise ValueError(f"{type(task).__name__} pads calls with sequences and takes options: a padding "
+                             "sequence would need an options row")
         self.graph = graph
         self.task = task
         self.device = device
@@ -117,7 +119,7 @@ class CudaGraphs:
         it does not replay."""
         if (b := bucket(self.task, sequences, tokens)) is None or b[:2] not in self.graphs:
             return None
-        n, t = pad_inputs(ids, cu, options, sequences, tokens, b)
+        n, t = pad_inputs(ids, cu, sequences, tokens, b)
         self.ids[:t].copy_(ids[:t], non_blocking=True)
         self.cu[: n + 1].copy_(cu[: n + 1], non_blocking=True)
         if options is not None:
@@ -139,7 +141,7 @@ class CudaGraphs:
                     self.ids[:t] = 1
                     if self.options is not None:  # the task's bounds
                         self.options[:] = torch.tensor(self.task.options(self.task.request_of(["x"])), dtype=torch.int32)
-                    padded_n, padded_t = pad_inputs(self.ids, self.cu, self.options, n, t, b)
+                    padded_n, padded_t = pad_inputs(self.ids, self.cu, n, t, b)
                     self.graphs[b[:2]] = self._capture(padded_n, padded_t, stream)
             except RuntimeError as e:
                 log.warning("CUDA graph capture failed, running without CUDA graphs: %s", e)

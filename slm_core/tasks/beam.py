@@ -63,7 +63,7 @@ class BeamTask(Task):
         super().__init__(spec, tokenizer)
         if (spec.head, spec.output) != ("labels", "probs") or spec.labels:
             raise SpecError("task keys 'labels', 'head' and 'output' are for score tasks")
-        self.stop_ids = self.tokenizer.single_tokens(spec.stop, "stop string")
+        self.stop_ids = list(dict.fromkeys(self.tokenizer.single_tokens(spec.stop, "stop string")))  # once each
 
     @property
     def width(self) -> int:
@@ -184,11 +184,16 @@ class BeamTask(Task):
         return {"against": "bf16", "prompts": len(shares), "shared_candidates": mean, "worst_prompt": min(shares),
                 "min_allowed": min_shared, "passes": mean >= min_shared}
 
+    def head_rows(self, value: Any) -> int:
+        """The LM head's rows a request computes: the prompt's last row, then w per decode step."""
+        value = self.value(value)
+        return 1 + (value.beam_width or self.width) * ((value.new_tokens or self.new_tokens) - 1)
+
     def flops(self, model: ModelSpec, value: Any, precision: str) -> tuple[int, int]:
         (prompt,) = self.token_lengths(value)
         value = self.value(value)
         w, n = value.beam_width or self.width, value.new_tokens or self.new_tokens
-        head_rows = 1 + w * (n - 1)  # the prompt's last row, then W rows per decode step
+        head_rows = self.head_rows(value)
         total = (flops.prefill_flops(model, [prompt]) + flops.decode_flops(model, prompt, w, n)
                  + flops.head_flops(model, head_rows, model.vocab_size))
         fp8 = flops.static_fp8_flops(model, prompt + w * (n - 1), skipped=prompt - 1) if precision == "fp8-static" else 0

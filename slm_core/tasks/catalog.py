@@ -5,7 +5,10 @@ generate(..., prefix_allowed_tokens_fn=<the same trie>) ranks them; fewer than W
 the catalog holds fewer.
 
 A request may also `exclude` item ids (sold out, already shown): the search runs as if the
-catalog did not hold them. Ids the catalog does not hold are ignored and counted in the answer.
+catalog did not hold them (with catalog_scores "catalog" their tokens still count in the
+normaliser, which is the catalog's). Ids the catalog does not hold are ignored and counted in the
+answer. A task with two stop tokens answers an item once per stop it can end on, as transformers
+does.
 """
 
 from dataclasses import dataclass, replace
@@ -17,13 +20,18 @@ import torch
 from slm_core import flops
 from slm_core.catalog import CATALOG, Catalog
 from slm_core.errors import InputError, SpecError, json_type
-from slm_core.spec import ModelSpec
+from tokenizers import Tokenizer
+
+from slm_core.spec import ModelSpec, TaskSpec
+from slm_core.tasks.base import Difference
 from slm_core.tasks.beam import BeamRequest, BeamTask
 
 
 @dataclass(frozen=True)
 class CatalogRequest(BeamRequest):
     exclude: tuple[str, ...] = ()
+    excluded: tuple[int, ...] = ()  # the item indices of the ids the catalog holds
+    unknown: int = 0  # how many distinct ids it does not
 
 
 class CatalogTask(BeamTask):
@@ -31,7 +39,7 @@ class CatalogTask(BeamTask):
     answer = ("candidates",)
     options_fields = ("beam_width", "new_tokens", "top", "exclude")
 
-    def __init__(self, spec, tokenizer):
+    def __init__(self, spec: TaskSpec, tokenizer: Tokenizer):
         super().__init__(spec, tokenizer)
         path = Path(spec.catalog)
         if path.suffix == ".safetensors":  # a package's, built already
@@ -40,7 +48,7 @@ class CatalogTask(BeamTask):
             self.catalog = Catalog.from_jsonl(path, self.tokenizer.tokenizer, self.stop_ids, spec.new_tokens,
                                               self.tokenizer.tokenizer.get_vocab_size(with_added_tokens=True),
                                               spec.max_items, spec.max_trie_nodes)
-        if self.catalog.max_tokens != spec.new_tokens or self.catalog.vocab[: self.catalog.stops].tolist() != self.stop_ids:
+        if self.catalog.max_tokens != spec.new_tokens or self.catalog.vocab[: self.catalog.stop_count].tolist() != self.stop_ids:
             raise SpecError(f"catalog {path} was built for another new_tokens or stop tokens: rebuild it")
         for what, have, bound in (("items", self.catalog.size, spec.max_items),
                                   ("trie nodes", self.catalog.nodes, spec.max_trie_nodes)):
@@ -63,7 +71,9 @@ class CatalogTask(BeamTask):
         if len(exclude) > bound:
             raise InputError(f"'exclude' holds {len(exclude)} ids, over max_exclude={bound}", bound="max_exclude",
                              limit=bound)
-        return CatalogRequest(base.prompt, base.beam_width, base.new_tokens, base.top, tuple(map(str, exclude)))
+        ids = tuple(map(str, exclude))
+        excluded, unknown = self.catalog.lookup(list(ids))  # here, before the call: outside the engine's lock
+        return CatalogRequest(base.prompt, base.beam_width, base.new_tokens, base.top, ids, tuple(excluded), unknown)
 
     def value(self, value: Any) -> CatalogRequest:
         if isinstance(value, CatalogRequest):
@@ -80,11 +90,10 @@ class CatalogTask(BeamTask):
         """Beam width, new tokens, then the exclusion as slm_core.catalog.Catalog.exclusion gives it."""
         value = self.value(value)
         row = super().options(value)
-        items, _ = self.catalog.lookup(list(value.exclude))
-        killed, stopped = self.catalog.exclusion(items, row[1], self.spec.max_exclude)
+        killed, stopped = self.catalog.exclusion(list(value.excluded), row[1], self.spec.max_exclude)
         return row + killed.ravel().tolist() + stopped.ravel().tolist()
 
-    def write_data(self, package: Path):
+    def write_data(self, package: Path) -> TaskSpec:
         self.catalog.save(package / CATALOG)
         return replace(self.spec, catalog=CATALOG)
 
@@ -110,7 +119,7 @@ class CatalogTask(BeamTask):
                       for c, item in zip(super().unpack(outputs, first, count, value), items)]
         answer: dict[str, Any] = {"candidates": candidates}
         if value.exclude:
-            answer["unknown_exclude"] = self.catalog.lookup(list(value.exclude))[1]
+            answer["unknown_exclude"] = value.unknown
         return answer
 
     def body(self, answer: dict[str, Any]) -> dict:
@@ -123,14 +132,12 @@ class CatalogTask(BeamTask):
         return {"stop_ids": self.stop_ids, "catalog": {"file": CATALOG, **self.catalog.summary()},
                 "scores": self.spec.catalog_scores}
 
-    def difference(self, want, got):
+    def difference(self, want: dict, got: dict) -> Difference:
         return super().difference(want["candidates"], got["candidates"])
 
     def flops(self, model: ModelSpec, value: Any, precision: str) -> tuple[int, int]:
         total, fp8 = super().flops(model, value, precision)
         if self.spec.catalog_scores == "catalog":  # the LM head over the catalog's tokens only
-            value = self.value(value)
-            w, n = value.beam_width or self.width, value.new_tokens or self.new_tokens
-            rows = 1 + w * (n - 1)
+            rows = self.head_rows(value)
             total -= flops.head_flops(model, rows, model.vocab_size) - flops.head_flops(model, rows, len(self.catalog.vocab))
         return total, fp8

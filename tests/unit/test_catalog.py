@@ -55,7 +55,7 @@ def test_trie_and_exclusion_equal_brute_force():
             left = [tuple(cat.tokens[k][: cat.lengths[k]]) for k in range(cat.size)
                     if k not in out and cat.lengths[k] <= limit]
             for depth, level in enumerate(cat.levels):
-                for e in np.flatnonzero(level.stop > level.start):
+                for e in np.flatnonzero(level.end > level.start):
                     prefix = tuple(cat.tokens[level.start[e]][: depth + 1])
                     alive = level.edges[e, 2] <= limit and e not in killed[depth]
                     assert alive == any(r[: depth + 1] == prefix for r in left)
@@ -81,6 +81,11 @@ def test_catalog_file_round_trip_and_lookup(tmp_path):
     (['{"id": "a"}'], "line 1: an item is"),
     (['{"id": "a", "text": ""}'], "line 1: 'text' must be a non-empty string"),
     (['not json'], "line 1: not JSON"),
+    (['{"id": "a\\u0000", "tokens": [5]}'], "line 1: 'id' holds a NUL character"),
+    (['{"id": "\\ud800", "tokens": [5]}'], "line 1: 'id' holds a lone surrogate"),
+    (['{"id": "%s", "tokens": [5]}' % ("x" * 257)], "line 1: 'id' is 257 bytes in UTF-8, over 256"),
+    (['{"id": 1%s, "tokens": [5]}' % ("0" * 5000)], "catalog .* line 1: "),
+    (['{"id": "a", "text": "\\udc80x"}'], "line 1: 'text' holds a lone surrogate"),
 ])
 def test_bad_catalogs_are_build_errors_naming_the_line(tmp_path, random_checkpoint, lines, message):
     folder, _ = random_checkpoint("qwen2")
@@ -89,6 +94,37 @@ def test_bad_catalogs_are_build_errors_naming_the_line(tmp_path, random_checkpoi
     stop = "<|im_end|>"  # token 2
     with pytest.raises(SpecError, match=message):
         engine_for(ckpt, task="beam", beam_width=2, new_tokens=3, stop=[stop], catalog=str(tmp_path / "c.jsonl"))
+
+
+def test_exclude_ids_that_cannot_match_cost_nothing_and_count_once(tmp_path, random_checkpoint):
+    """An id longer than the catalog's longest, or one UTF-8 cannot carry, is unknown without a
+    search (a search would widen every catalog id to its length); repeated ids count once."""
+    folder, _ = random_checkpoint("qwen3")
+    write_catalog(tmp_path / "c.jsonl", [[10, 11], [12], [13, 14]])
+    eng = engine_for(load_checkpoint(folder), task="beam", beam_width=4, new_tokens=2, stop=["<|im_end|>"],
+                     catalog=str(tmp_path / "c.jsonl"))
+    request = eng.task.request({"prompt": "x", "exclude": ["item-1", "item-1", "zz", "zz", "\ud800", "y" * 10**7]})
+    assert (request.excluded, request.unknown) == ((eng.task.catalog.lookup(["item-1"])[0][0],), 3)
+    answer = eng.run_one(request)
+    assert answer["unknown_exclude"] == 3 and "item-1" not in {c["id"] for c in answer["candidates"]}
+
+
+def test_repeated_stop_strings_count_once(tmp_path, random_checkpoint):
+    folder, _ = random_checkpoint("qwen3")
+    write_catalog(tmp_path / "c.jsonl", [[10, 11], [12]])
+    eng = engine_for(load_checkpoint(folder), task="beam", beam_width=4, new_tokens=2,
+                     stop=["<|im_end|>", "<|im_end|>"], catalog=str(tmp_path / "c.jsonl"))
+    ids = [c["id"] for c in eng.run_one("x")["candidates"]]
+    assert eng.task.stop_ids == [2] and sorted(ids) == ["item-0", "item-1"]
+
+
+def test_a_catalog_of_one_token_is_refused(tmp_path, random_checkpoint):
+    """One token (no stop): a graph size of 1 would specialise, and a padding token would count in
+    catalog_scores: catalog's normaliser."""
+    folder, _ = random_checkpoint("qwen2")
+    write_catalog(tmp_path / "c.jsonl", [[5, 5, 5]])
+    with pytest.raises(SpecError, match="use one token; a catalog needs two or more"):
+        engine_for(load_checkpoint(folder), task="beam", beam_width=2, new_tokens=3, catalog=str(tmp_path / "c.jsonl"))
 
 
 def test_short_items_need_a_stop_token(tmp_path, random_checkpoint):

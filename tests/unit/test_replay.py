@@ -94,7 +94,7 @@ class PaddedEager:
         self.graph, self.task, self.calls = graph, task, []
 
     def __call__(self, ids, cu, options, n, t):
-        padded_n, padded_t = pad_inputs(ids, cu, options, n, t, bucket(self.task, n, t))
+        padded_n, padded_t = pad_inputs(ids, cu, n, t, bucket(self.task, n, t))
         self.calls.append((n, t, padded_n, padded_t))
         extra = [] if options is None else [options[:padded_n].clone()]
         return self.graph(ids[:padded_t].clone(), cu[: padded_n + 1].clone(), *extra)
