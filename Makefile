@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 test: setup
 	$(PY) -m pytest -q tests
 
-# The main job on the embedded SmolLM2 (CPU): build both archives, serve, query, stop.
+# The main job on the embedded SmolLM2 (CPU): build the score, beam and catalog archives, serve, query, stop.
 .PHONY: demo
 demo: setup
 	$(PY) -m handlers.demo

@@ -1,5 +1,6 @@
-"""The main job on the embedded SmolLM2, as a user runs it: build a score and a beam archive with
-the archiver CLI, start a private TorchServe with config.properties, register both through the
+"""The main job on the embedded SmolLM2, as a user runs it: build a score, a beam and a
+generative-retrieval archive (a beam constrained to the product catalog archiver/tasks/products.jsonl)
+with the archiver CLI, start a private TorchServe with config.properties, register them through the
 management API, send real requests over REST, print the answers, stop.
 
     python -m handlers.demo [--work DIR] [--device cpu|cuda]
@@ -20,6 +21,10 @@ TASKS = REPO / "archiver" / "tasks"
 QUERIES = ["cheap flights to rome", "hotel near the eiffel tower", "iphone 15 case", "python list comprehension",
            "best beaches in portugal", "wireless headphones under 50"]
 PROMPTS = ["cheap flights to", "how to make", "best running shoes for"]
+SHOPPING = ["running shoes for trail", "a gift for a coffee lover", "noise cancelling headphones",
+            "camping in the mountains"]
+ARCHIVES = (("smollm2_intent", "smollm2-intent.yaml"), ("smollm2_complete", "smollm2-complete.yaml"),
+            ("smollm2_retrieve", "smollm2-retrieve.yaml"))
 
 
 def smollm2() -> str:
@@ -30,7 +35,7 @@ def smollm2() -> str:
 
 
 def build_archives(store: Path, device: str) -> None:
-    for name, task in (("smollm2_intent", "smollm2-intent.yaml"), ("smollm2_complete", "smollm2-complete.yaml")):
+    for name, task in ARCHIVES:
         if (store / f"{name}.mar").exists():
             print(f"== {name}.mar exists in {store}, reusing it (delete it to rebuild)")
             continue
@@ -40,6 +45,18 @@ def build_archives(store: Path, device: str) -> None:
                        check=True)
 
 
+def retrieve(server: TorchServe, request: dict) -> dict:
+    """One generative-retrieval request; prints its best three items on one line."""
+    start = time.perf_counter()
+    status, body = server.predict("smollm2_retrieve", json.dumps(request).encode())
+    answer = json.loads(body)
+    shown = "; ".join(f"{c['id']} {c['text']} ({c['score']:.1f})" for c in answer.get("candidates", [])[:3])
+    options = "".join(f" {k}={request[k]}" for k in request if k != "prompt")
+    print(f"   {request['prompt']!r}{options} -> {status} in {(time.perf_counter() - start) * 1e3:.0f} ms: "
+          f"{shown or answer}")
+    return answer
+
+
 def run(work: Path, device: str = "cpu") -> dict:
     """Build, serve, query, stop; print as it goes and return the parsed answers."""
     store = work / "model-store"
@@ -47,9 +64,9 @@ def run(work: Path, device: str = "cpu") -> dict:
     (work / "server").mkdir(parents=True, exist_ok=True)
     server = TorchServe(work / "server", store).start()
     print(f"== TorchServe up: inference {server.inference}, management {server.management}, metrics {server.metrics}")
-    answers: dict = {"beams": {}}
+    answers: dict = {"beams": {}, "retrieve": {}}
     try:
-        for name in ("smollm2_intent", "smollm2_complete"):
+        for name, _ in ARCHIVES:
             print(f"== registering {name}: {server.register(f'{name}.mar')['status']}")
 
         start = time.perf_counter()
@@ -68,6 +85,15 @@ def run(work: Path, device: str = "cpu") -> dict:
             answers["beams"][prompt] = json.loads(body)["candidates"]
             for c in answers["beams"][prompt][:4]:
                 print(f"   {c['score']:8.3f}  {prompt}{c['text']!r}")
+
+        print("\n== POST /predictions/smollm2_retrieve: the best items of products.jsonl (id title log-prob;"
+              " the same 135M model: mechanics, not a good retriever)")
+        for prompt in SHOPPING:
+            answers["retrieve"][prompt] = retrieve(server, {"prompt": prompt})
+        # the first answer's best item sold out: excluded, and only the best 3 of the rest
+        sold_out = answers["retrieve"][SHOPPING[0]]["candidates"][0]["id"]
+        answers["retrieve_exclude"] = {"prompt": SHOPPING[0], "exclude": [sold_out], "top": 3}
+        answers["retrieve_excluded"] = retrieve(server, answers["retrieve_exclude"])
 
         answers["bad"] = server.predict("smollm2_intent", b'{"texts": []}')
         print(f"\n== a bad request -> {answers['bad'][0]} {answers['bad'][1].decode()}")
