@@ -49,7 +49,7 @@ def main() -> None:
     value = engine.task.request(body)
     parts = {
         "json_parse_ms": timed(lambda: json.loads(raw), args.repeat),
-        "tokenize_pack_ms": timed(lambda: engine._pack(engine.task.encode([value]), [value]), args.repeat),
+        "tokenize_pack_ms": timed(lambda: engine._pack(engine.task.encode([value]), [engine.task.options(value)]), args.repeat),
         "end_to_end_in_process_ms (the whole batch)": timed(lambda: respond_batch(engine, batch), args.repeat),
     }
     graph_ms = [respond_batch(engine, batch)[0].stats.graph_ms for _ in range(args.repeat)]

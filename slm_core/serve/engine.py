@@ -93,8 +93,10 @@ class Engine:
         if len(values) > self.task.max_batch:
             raise ValueError(f"{len(values)} requests exceed max_batch={self.task.max_batch}")
         encoded = self.task.encode(values)
+        rows = [None if isinstance(e, InputError) or not self.task.option_columns else self.task.options(v)
+                for v, e in zip(values, encoded)]  # before the lock: a catalog's exclusion is CPU work
         with self._lock:
-            spans = self._pack(encoded, values)
+            spans = self._pack(encoded, rows)
             members = [s for s in spans if isinstance(s, Span)]
             if not members:
                 return [Result(error=s) for s in spans]
@@ -109,24 +111,25 @@ class Engine:
         """A call of `sequences` sequences of about equal length holding `tokens` token ids 1, as
         the build times calls at the task's bounds; returns its milliseconds."""
         with self._lock:
-            self._pack([[[1] * n for n in even_split(tokens, sequences)]], [self.task.request_of(["synthetic"])])
+            row = self.task.options(self.task.request_of(["x"]))  # the task's bounds
+            self._pack([[[1] * n for n in even_split(tokens, sequences)]], [row])
             return self._call(sequences, tokens)[1]
 
-    def _pack(self, encoded: list, values: list) -> "list[Span | InputError]":
-        """Each request's sequences behind the ones before it, and each sequence's options row,
-        into the context's host buffers."""
+    def _pack(self, encoded: list, rows: list) -> "list[Span | InputError]":
+        """Each request's sequences behind the ones before it, each with its request's options row
+        (Task.options; unused where the graph takes none), into the context's host buffers."""
         ids, cu = self.context.ids.numpy(), self.context.cu.numpy()
         options = self.context.options.numpy() if self.context.options is not None else None
         spans: list = []
         n = t = 0
         cu[0] = 0
-        for request, value in zip(encoded, values):
+        for request, row in zip(encoded, rows):
             if isinstance(request, InputError):
                 spans.append(request)
                 continue
             start_n, start_t = n, t
             if options is not None:
-                options[n : n + len(request)] = self.task.options(value)
+                options[n : n + len(request)] = row
             for seq in request:
                 ids[t : t + len(seq)] = seq
                 t += len(seq)

@@ -49,6 +49,7 @@ class Task(ABC):
     tolerance: ClassVar[dict[str, float]]
     min_shared: ClassVar[dict[str, float]] = {}  # and the least share of items in common
     gate_requests: ClassVar[int | None] = None  # the FP8 gate's evaluation requests at most (None: every text)
+    options_fields: ClassVar[tuple[str, ...]] = ()  # a request's optional fields beside `field`
 
     @classmethod
     def matches(cls, spec: TaskSpec) -> bool:
@@ -107,12 +108,19 @@ class Task(ABC):
         """A decoded request body -> the value the task encodes; InputError names what is wrong."""
         if not isinstance(payload, dict):
             raise InputError(f'request body must be a JSON object like {{"{self.field}": ...}}, got {json_type(payload)}')
-        unknown = set(payload) - {self.field}
+        unknown = set(payload) - {self.field, *self.options_fields}
         if self.field not in payload:
             raise InputError(f"request body is missing the field {self.field!r}"
                              + (f" (got {names(unknown)})" if unknown else ""))
         if unknown:
-            raise InputError(f"unknown fields {names(unknown)}; a {self.kind} request has only {self.field!r}")
+            has = (f"{self.field!r} and optionally {', '.join(map(repr, self.options_fields))}" if self.options_fields
+                   else f"only {self.field!r}")
+            raise InputError(f"unknown fields {names(unknown)}; a {self.kind} request has {has}")
+        return self.settings(payload)
+
+    def settings(self, payload: dict) -> Any:
+        """The request value of a body whose fields are the task's: its field's value, and what
+        the optional fields ask (each checked against its bound)."""
         return payload[self.field]
 
     @abstractmethod

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from slm_core import flops
-from slm_core.errors import InputError, SpecError, json_type, names
+from slm_core.errors import InputError, SpecError, json_type
 from slm_core.spec import ModelSpec
 from slm_core.tasks.base import Difference, Task
 
@@ -86,18 +86,6 @@ class BeamTask(Task):
         return self.spec.max_prompt_tokens + self.spec.new_tokens
 
     # --- a request's settings --------------------------------------------------------------------
-    def request(self, payload: Any) -> BeamRequest:
-        if not isinstance(payload, dict):
-            raise InputError(f'request body must be a JSON object like {{"prompt": ...}}, got {json_type(payload)}')
-        unknown = set(payload) - {self.field, *self.options_fields}
-        if self.field not in payload:
-            raise InputError(f"request body is missing the field {self.field!r}"
-                             + (f" (got {names(unknown)})" if unknown else ""))
-        if unknown:
-            raise InputError(f"unknown fields {names(unknown)}; a {self.kind} request has {self.field!r} and "
-                             f"optionally {', '.join(map(repr, self.options_fields))}")
-        return self.settings(payload)
-
     def settings(self, payload: dict) -> BeamRequest:
         """The request's prompt and settings, each checked against its bound."""
         return BeamRequest(payload[self.field], *(self._bounded(payload, name, bound) for name, bound in

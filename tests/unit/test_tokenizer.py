@@ -41,7 +41,7 @@ def test_packing_writes_contiguous_ids_and_boundaries_and_nothing_for_a_refused_
     engine.context.cu.fill_(-1)
     values = [["cheap flights", "x"], [], ["hotel in rome"]]
     encoded = score.encode(values)
-    spans = engine._pack(encoded, values)
+    spans = engine._pack(encoded, [score.options(v) for v in values])
     assert isinstance(spans[1], InputError)
     a, c = spans[0], spans[2]
     expected = encoded[0] + encoded[2]
