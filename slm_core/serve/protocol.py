@@ -8,16 +8,18 @@ it. Nothing here raises.
 
 import json
 import logging
-import re
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
+
+import orjson
 
 from slm_core.errors import InputError, bounded, names
 from slm_core.serve.engine import CallStats, Engine
 
 log = logging.getLogger(__name__)
 MAX_DIGITS = 32  # of an integer in a request body: a bound of the protocol, not of Python
-LONG_DIGITS = re.compile(rf"\d{{{MAX_DIGITS + 1}}}")  # a body that may hold a longer one
+INT_LIMIT = 10**MAX_DIGITS
 
 
 @dataclass(frozen=True)
@@ -37,10 +39,27 @@ class Reply:
 
 
 def encode(obj: Any) -> bytes:
-    # Compact and deterministic: the same answer is the same bytes. No cycle check: every object is
-    # built here, and the check costs ~10 % of a beam reply's encoding (its 100 candidate dicts).
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False,
-                      check_circular=False).encode("utf-8")
+    """Compact, deterministic JSON in UTF-8 (the same answer is the same bytes), by orjson: a W=100
+    beam reply in a tenth of the standard library's time. Raises ValueError for what JSON cannot
+    carry: a non-finite number (orjson writes it as null, so a reply holding null is checked) or a
+    str UTF-8 cannot carry."""
+    try:
+        out = orjson.dumps(obj)
+    except TypeError as e:  # orjson.JSONEncodeError
+        raise ValueError(f"not JSON-serialisable: {e}") from None
+    if b"null" in out and not _finite(obj):
+        raise ValueError("a non-finite number, which JSON cannot carry")
+    return out
+
+
+def _finite(obj: Any) -> bool:
+    if isinstance(obj, float):
+        return math.isfinite(obj)
+    if isinstance(obj, dict):
+        return all(_finite(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return all(_finite(v) for v in obj)
+    return True
 
 
 def error(status: int, message: str) -> Reply:
@@ -63,12 +82,6 @@ def request_body(request: Request) -> object:
                      f"{names(request.parameters) or 'none'}")
 
 
-def _int(digits: str) -> int:
-    if len(digits.lstrip("-")) > MAX_DIGITS:
-        raise InputError(f"request body holds a number of {len(digits.lstrip('-'))} digits (at most {MAX_DIGITS})")
-    return int(digits)
-
-
 def _constant(name: str):
     raise InputError(f"request body holds {name}, which is not JSON")
 
@@ -82,16 +95,35 @@ def parse_body(body: object) -> Any:
             text = bytes(body).decode("utf-8")
         except UnicodeDecodeError as e:
             raise InputError(f"request body is not valid UTF-8 (byte {e.start})") from None
-        # the digit bound's hook costs a Python call per integer: only where a long run of digits is
-        parse_int = _int if LONG_DIGITS.search(text) else None
         try:
-            return json.loads(text, parse_int=parse_int, parse_constant=_constant)
+            value = json.loads(text, parse_constant=_constant)
         except RecursionError:
             raise InputError("request body nests arrays or objects too deeply to parse "
                              "(a request nests them 2 deep)") from None
         except json.JSONDecodeError as e:
             raise InputError(f"request body is not valid JSON: {e.msg} at character {e.pos}") from None
+        except InputError:  # NaN or Infinity (_constant)
+            raise
+        except ValueError:  # an integer past Python's own limit on converting digits
+            raise InputError(f"request body holds a number of more than {MAX_DIGITS} digits") from None
+        _check_digits(value)
+        return value
     return body
+
+
+def _check_digits(value: Any) -> None:
+    """The digit bound, checked on the parsed value: a walk costs ~1 us for a W1 body, where a
+    regular expression over its text costs ~80 us and a parse_int hook a Python call per integer."""
+    stack = [value]
+    while stack:  # no recursion: the parser's nesting limit is deeper than a walk's stack room
+        x = stack.pop()
+        if type(x) is int:
+            if not -INT_LIMIT < x < INT_LIMIT:
+                raise InputError(f"request body holds a number of {len(str(abs(x)))} digits (at most {MAX_DIGITS})")
+        elif type(x) is list:
+            stack.extend(x)
+        elif type(x) is dict:
+            stack.extend(x.values())
 
 
 def respond(engine: Engine, request: Request) -> Reply:

@@ -120,3 +120,22 @@ def test_a_non_finite_output_is_a_500_for_its_request_only():
     engine = Engine(NanGraph(), task, "cpu")
     replies = respond_batch(engine, [Request({"body": b'{"texts": ["a"]}'}), Request({"body": b'{"texts": 3}'})])
     assert [r.status for r in replies] == [500, 400] and b"non-finite" in replies[0].body
+
+
+def test_reply_encoding_is_compact_json_and_refuses_what_json_cannot_carry():
+    """The replies' encoder: compact UTF-8 JSON that the standard library reads back as the same
+    value, the same bytes every time; null where the answer holds None, but a ValueError for a
+    NaN or infinity anywhere (JSON has none) and for a str UTF-8 cannot carry."""
+    from slm_core.serve.protocol import encode
+
+    answer = {"candidates": [{"text": "é \u2028 \"q\"", "token_ids": [1, 2], "score": -0.1 * i} for i in range(3)],
+              "id": None, "probs": [[1e-05, 0.99999]]}
+    out = encode(answer)
+    assert json.loads(out) == answer and out == encode(answer)
+    del answer["probs"]  # the standard library writes 1e-05 where orjson writes 0.00001; all else alike
+    assert encode(answer) == json.dumps(answer, separators=(",", ":"), ensure_ascii=False).encode()
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(ValueError, match="non-finite"):
+            encode({"candidates": [{"score": -1.0}, {"score": bad, "id": None}]})
+    with pytest.raises(ValueError, match="not JSON-serialisable"):
+        encode({"text": "\ud800"})

@@ -49,7 +49,9 @@ def test_errors_name_json_types_not_pythons(value, words):
 
 
 @pytest.mark.parametrize("body, words", [
-    (b'{"texts": [' + b"7" * 5000 + b"]}", "a number of 5000 digits (at most 32)"),
+    (b'{"texts": [' + b"7" * 5000 + b"]}", "a number of more than 32 digits"),
+    (b'{"texts": [' + b"7" * 40 + b"]}", "a number of 40 digits (at most 32)"),
+    (b'{"texts": ["a"], "x": [[-' + b"7" * 33 + b"]]}", "a number of 33 digits (at most 32)"),
     (b"[" * 100_000 + b"]" * 100_000, "nests arrays or objects too deeply"),
     (b'{"texts": [Infinity]}', "holds Infinity, which is not JSON"),
     (b'{"texts": ["a",]}', "not valid JSON: Expecting value at character 15"),
