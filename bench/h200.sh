@@ -11,7 +11,7 @@
 #   bash bench/h200.sh profile # where one request's time goes, per archive, CUDA graphs on/off
 #   bash bench/h200.sh reliability # on the archiver's default deployments: bad input (bench.reliability fuzz),
 #                              # 3x capacity for 60 s (overload); $SOAK seconds at 0.8x capacity if set
-#   bash bench/h200.sh start   # in the background: build beside check + kernels, then bench, then profile,
+#   bash bench/h200.sh start   # in the background: build beside check + kernels, then profile, then bench,
 #                              # into .bench-work/out; then follow
 #   bash bench/h200.sh follow  # wait (up to $FOLLOW s, default 560) for it; what is done comes back
 #                              # as $OUT/pipeline.tgz
@@ -23,6 +23,10 @@
 # RELIABILITY=1 (the reliability step after the bench; SOAK=600 adds the soak; RELIABLE and STEPS: below),
 # $WORKLOADS (default W3,W2,W1), $BENCH_ARGS (more bench.run options for the pipeline's bench step,
 # e.g. --levels). On nvidia-h200-x2, SLM=...,4:8:g2 spreads 4 workers over 2 GPUs.
+# BASE=DIR: a checkout of the baseline commit (e.g. `git archive SHA ':!bench/results' | tar -x -C .base`,
+# carried): its slm $VARIANTS are built beside (into .bench-work/base) and profiled beside this
+# tree's, as profile_*_base_*.txt: a lever's kernels and GPU time before and after, in one run.
+# Needs orjson for Python 3.12 among the bundle's wheels (bench/README.md).
 # MPS=1 (default): the pipeline runs NVIDIA's Multi-Process Service, so the workers' processes share
 # the GPU instead of time-slicing it (bench/mps.py); MPS=0 leaves it off. NOMPS_SLM=...: after the
 # bench step, these deployments again without MPS (the same run's comparison), into $OUT/nomps.
@@ -50,9 +54,15 @@ mps() {  # NVIDIA MPS on (1) or off (0) for the CUDA processes started from now 
     echo "NVIDIA MPS: $(pgrep -x nvidia-cuda-mps > /dev/null && echo on || echo off)"
 }
 
+python3 -c "import orjson" || { echo "orjson is missing: put its wheel into .devbundle (bench/README.md)"; exit 1; }
+
 case "$1" in
 build)
-    python3 -m bench.run "${ARGS[@]}" --jobs 6 --build-only --slm "$VARIANTS" --workloads "$WORKLOADS" ;;
+    [ -z "${BASE:-}" ] || (cd "$BASE" && python3 -m bench.run --device cuda --tokenizer "$OLDPWD/bench/assets/tokenizer.json" \
+        --work "$OLDPWD/$WORK/base" --commit base --jobs 3 --build-only --systems slm --slm "$VARIANTS" \
+        --workloads "$WORKLOADS" > "$OLDPWD/$WORK/build-base.log" 2>&1) &
+    python3 -m bench.run "${ARGS[@]}" --jobs 6 --build-only --slm "$VARIANTS" --workloads "$WORKLOADS"
+    wait ;;
 check)
     python3 -m pytest -q -s tests/gpu -p no:cacheprovider -k "bf16 or export or triton_attention or two_gpus" ;;
 check-full)
@@ -67,9 +77,10 @@ bench)
     python3 -m bench.report "$OUT"/*_bench.jsonl --png-dir "$OUT" ;;
 profile)
     # one request per call, with and without CUDA graphs, per built Triton archive
-    for mar in "$WORK"/model-store/slm_*_b?.mar "$WORK"/model-store/slm_*_b?_fp8static.mar; do
+    for mar in "$WORK"/model-store/slm_*_b?.mar "$WORK"/model-store/slm_*_b?_fp8static.mar "$WORK"/base/model-store/slm_*_b?.mar; do
         [ -e "$mar" ] || continue
         name=$(basename "$mar" .mar)
+        case "$mar" in "$WORK"/base/*) name=base_$name ;; esac
         [ -d "$WORK/unpacked/$name" ] || python3 -m zipfile -e "$mar" "$WORK/unpacked/$name"
         case "$name" in *score*) ws=W1 ;; *) ws="W2 W3" ;; esac
         for w in $ws; do
@@ -120,6 +131,8 @@ all)
                                [ "${KERNELS:-1}" = 0 ] || bash "$0" kernels > "$OUT/kernels.log" 2>&1; } &
     wait
     [ "${CATALOG:-0}" = 1 ] && bash "$0" catalog > "$OUT/catalog.log" 2>&1
+    # the in-process profiles before the sweeps: the GPU to themselves, and back first
+    [ "${PROFILE:-1}" = 1 ] && bash "$0" profile > "$OUT/profile.log" 2>&1
     [ "${BENCH:-1}" = 1 ] && bash "$0" bench ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
     if [ -n "${NOMPS_SLM:-}" ]; then
         mps 0
@@ -127,7 +140,6 @@ all)
         OUT=$OUT/nomps SLM=$NOMPS_SLM SYSTEMS=slm bash "$0" bench ${BENCH_ARGS:-} > "$OUT/bench_nomps.log" 2>&1
         mps "${MPS:-1}"
     fi
-    [ "${PROFILE:-1}" = 1 ] && bash "$0" profile > "$OUT/profile.log" 2>&1
     [ "${RELIABILITY:-0}" = 1 ] && bash "$0" reliability > "$OUT/reliability.log" 2>&1
     touch "$OUT/DONE" ;;
 start)
