@@ -144,15 +144,15 @@ def flex(q, k, v, lengths: list[int], ref) -> dict:
 def decode(width: int, prompts: list[int], suffix: int, hq: int, hkv: int, d: int) -> dict:
     dev, scale = "cuda", d**-0.5
     rows, t = width * len(prompts), sum(prompts)
-    q, kp, vp, cache, anc, cu = random_prefix_inputs(width, prompts, suffix, (hq, hkv, d), dev, torch.bfloat16)
-    ref = prefix_suffix_attention_ref(q.float(), kp.float(), vp.float(), cache.float(), anc, scale, cu)
+    q, kp, vp, ks, vs, cu = random_prefix_inputs(width, prompts, suffix, (hq, hkv, d), dev, torch.bfloat16)
+    ref = prefix_suffix_attention_ref(q.float(), kp.float(), vp.float(), ks.float(), vs.float(), scale, cu)
     out = {"shape": f"{len(prompts)} prompt(s) of {prompts} tokens x W={width}, Ls={suffix}, {hq}/{hkv} heads, d={d}",
            "results": {}}
     r = out["results"]
     for bw, bn, warps, stages in ((16, 64, 4, 3), (16, 64, 4, 2), (8, 64, 4, 3), (4, 64, 4, 3), (32, 32, 4, 3), (16, 128, 8, 2)):
-        fn = lambda: prefix_suffix_attention(q, kp, vp, cache, anc, scale, cu, bw, bn, warps, stages)  # noqa: E731
+        fn = lambda: prefix_suffix_attention(q, kp, vp, ks, vs, scale, cu, bw, bn, warps, stages)  # noqa: E731
         r[f"triton prefix {bw}x{bn} w{warps} s{stages}"] = timed(fn, ref)
-    fn = lambda: prefix_suffix_attention_ref(q, kp, vp, cache, anc, scale, cu)  # noqa: E731
+    fn = lambda: prefix_suffix_attention_ref(q, kp, vp, ks, vs, scale, cu)  # noqa: E731
     r["reference"] = timed(fn, ref)
 
     # What a paged/copied cache does: each beam's prompt K/V copied next to its suffix, then SDPA.
@@ -163,11 +163,9 @@ def decode(width: int, prompts: list[int], suffix: int, hq: int, hkv: int, d: in
     valid = torch.cat([pos[None, :] < torch.tensor(prompts, device=dev)[index][:, None],
                        torch.ones(rows, suffix, dtype=torch.bool, device=dev)], 1)[:, None, None, :]
 
-    own = cache[anc.long(), torch.arange(suffix, device=dev)[None, :]]  # each beam's suffix K/V, gathered once
-
     def concat_sdpa():
-        k = torch.cat([kp[key_rows], own[:, :, 0]], 1).transpose(1, 2)
-        v = torch.cat([vp[key_rows], own[:, :, 1]], 1).transpose(1, 2)
+        k = torch.cat([kp[key_rows], ks], 1).transpose(1, 2)
+        v = torch.cat([vp[key_rows], vs], 1).transpose(1, 2)
         return F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=valid, enable_gqa=True)[:, :, 0]
 
     r["SDPA over prompt K/V copied per beam"] = timed(concat_sdpa, ref)

@@ -53,8 +53,8 @@ def prefix_suffix_attention_ref(
     q: torch.Tensor,
     k_prefix: torch.Tensor,
     v_prefix: torch.Tensor,
-    cache: torch.Tensor,
-    ancestry: torch.Tensor,
+    k_suffix: torch.Tensor,
+    v_suffix: torch.Tensor,
     scale: float,
     prefix_cu: torch.Tensor,
 ) -> torch.Tensor:
@@ -63,15 +63,10 @@ def prefix_suffix_attention_ref(
     q: [B*W, Hq, D] (each beam's newest token; prompt b's beams are rows b*W .. b*W+W-1);
     k_prefix, v_prefix: [T, Hkv, D], the B prompts' K/V packed once (no beam dimension);
     prefix_cu: [B+1] int32, prompt b's K/V are rows prefix_cu[b] .. prefix_cu[b+1]-1;
-    cache: [R, S, 2, Hkv, D], K then V of the generated tokens, slot j written by the beams of step
-    j in their order then; ancestry: [B*W, L] int32, L <= S, the cache row each beam reads at slot
-    j (its ancestor at step j; its own row at the newest). A beam sees all of its prompt and its L
-    generated tokens (the newest included), in one softmax; prefix and suffix K/V are never
-    joined. Returns [B*W, Hq, D].
+    k_suffix, v_suffix: [B*W, S, Hkv, D], each beam's own generated tokens (the newest included).
+    A beam sees all of its prompt and all of its suffix, in one softmax; prefix and suffix K/V
+    are never joined. Returns [B*W, Hq, D].
     """
-    slots = torch.arange(ancestry.shape[1], device=q.device)
-    suffix = cache[ancestry.long(), slots[None, :]]  # [B*W, L, 2, Hkv, D]: each beam's own tokens
-    k_suffix, v_suffix = suffix[:, :, 0], suffix[:, :, 1]
     rows, hq, d = q.shape
     t, hkv, _ = k_prefix.shape
     s_len = k_suffix.shape[1]
@@ -99,11 +94,9 @@ def random_prefix_inputs(
     width: int, prompts: list[int], suffix: int, heads: tuple[int, int, int], device: str = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, ...]:
-    """Random (q, k_prefix, v_prefix, cache, ancestry, prefix_cu) for `width` beams of each prompt
-    (token counts `prompts`), `suffix` generated tokens, heads (q heads, kv heads, head dim): what
-    tests and benches feed prefix_suffix_attention and its reference. The cache has a slot more
-    than the suffix (one not read); each beam's ancestors are random beams of its own prompt, the
-    newest slot its own row, as a search leaves them."""
+    """Random (q, k_prefix, v_prefix, k_suffix, v_suffix, prefix_cu) for `width` beams of each
+    prompt (token counts `prompts`), `suffix` generated tokens, heads (q heads, kv heads, head dim):
+    what tests and benches feed prefix_suffix_attention and its reference."""
     hq, hkv, d = heads
     rows, t = width * len(prompts), sum(prompts)
 
@@ -111,8 +104,5 @@ def random_prefix_inputs(
         return torch.randn(*shape, device=device, dtype=dtype)
 
     cu = torch.tensor([0] + list(prompts), device=device).cumsum(0).to(torch.int32)
-    own = torch.arange(rows, device=device)[:, None]
-    ancestry = (own // width * width + torch.randint(0, width, (rows, suffix), device=device)).to(torch.int32)
-    if suffix:
-        ancestry[:, -1] = own[:, 0]
-    return randn(rows, hq, d), randn(t, hkv, d), randn(t, hkv, d), randn(rows, suffix + 1, 2, hkv, d), ancestry, cu
+    return (randn(rows, hq, d), randn(t, hkv, d), randn(t, hkv, d), randn(rows, suffix, hkv, d),
+            randn(rows, suffix, hkv, d), cu)

@@ -1,9 +1,9 @@
 """Pure-PyTorch references of the per-layer steps between the GEMMs: RMSNorm; splitting the fused
-QKV rows into heads, RMS-normalising q and k per head (Qwen3's QK-norm) and rotating them (RoPE),
-in a decode step with K and V stored into the beams' suffix cache; SiLU(gate) * up, and that
-quantised to E4M3 with one static scale (fp8-static's down-projection input). They define the
-interfaces kernels/qkv_rope.py and kernels/silu_mul.py implement, and are the path the reference
-graphs run. The arithmetic is transformers': RMSNorm normalises in
+QKV rows into heads, RMS-normalising q and k per head (Qwen3's QK-norm) and rotating them (RoPE);
+SiLU(gate) * up, and that quantised to E4M3 with one static scale (fp8-static's down-projection
+input). They
+define the interfaces kernels/qkv_rope.py and kernels/silu_mul.py implement, and are the path the
+reference graphs run. The arithmetic is transformers': RMSNorm normalises in
 FP32, rounds to the model dtype and scales by the weight in the model dtype; RoPE is
 q * cos + rotate_half(q) * sin in the model dtype; the MLP is silu(gate) * up in the model dtype.
 """
@@ -40,18 +40,6 @@ def qkv_rope_ref(
     if q_weight is not None:
         q, k = rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps)
     return rotate_ref(q, cos, sin), rotate_ref(k, cos, sin), v
-
-
-def qkv_rope_step_ref(
-    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
-    q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float, cache: torch.Tensor, slot: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """qkv_rope_ref for one decode step of R beams, whose K and V go to a suffix cache:
-    cache [R, S, 2, kv_heads, D] holds at [r, j] the K and V of the token row r generated at step
-    j. Returns q [R, heads, D] and the cache with this step's K and V at `slot`: equal to `cache`
-    at slots before it, undefined after it (never read)."""
-    q, k, v = qkv_rope_ref(qkv, cos, sin, heads, kv_heads, q_weight, k_weight, eps)
-    return q, torch.cat([cache[:, :slot], torch.stack([k, v], 1)[:, None], cache[:, slot + 1 :]], 1)
 
 
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:

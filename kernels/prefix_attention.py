@@ -1,11 +1,8 @@
 """Shared-prefix beam decode attention in Triton, and its wrapper.
 
 The W beams of each of B prompts attend over their prompt's K/V, stored once in a packed
-[T, Hkv, D] (prompt b at rows cu[b]..cu[b+1]-1), plus their own generated tokens' K/V in one FP32
-online softmax, without concatenating anything. Those live in the suffix cache
-[B*W, S, 2, Hkv, D], slot j written by the beams of step j in their order then; the ancestry
-table [B*W, L] names, for each beam and slot, the row of its ancestor that wrote it. So a step's
-reordering of the beams moves a small table of ints, not every layer's K/V. One program takes BLOCK_W beams of one
+[T, Hkv, D] (prompt b at rows cu[b]..cu[b+1]-1), plus their own suffix ([B*W, S, Hkv, D]) in one
+FP32 online softmax, without concatenating anything. One program takes BLOCK_W beams of one
 prompt × the G query heads of one kv head as its M rows, so each prompt K/V tile is read once per
 group of beams (the Hydragen / cascade-attention idea). Splitting a prompt's keys between
 programs (flash-decoding) measured no faster at W2's and W3's decode shapes on the H200.
@@ -61,16 +58,15 @@ def _prefix_blocks(q, kp_ptr, vp_ptr, start, lo, hi, kv_head, stride_kpt, stride
 
 
 @triton.jit
-def _suffix_keys(q, cache_ptr, anc_ptr, beam, ok, kv_head, stride_cw, stride_cs, stride_ckv, stride_ch, stride_aw,
-                 scale, m_i, l_i, acc, SUFFIX: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Fold each beam's own generated tokens (a handful: one key per row, read where its ancestor
-    wrote it) into (m_i, l_i, acc)."""
+def _suffix_keys(q, ks_ptr, vs_ptr, beam, ok, kv_head, stride_ksw, stride_kss, stride_ksh, stride_vsw, stride_vss,
+                 stride_vsh, scale, m_i, l_i, acc, SUFFIX: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Fold each beam's own generated tokens (a handful: one key per row) into (m_i, l_i, acc)."""
     dims = tl.arange(0, HEAD_DIM)
     for j in range(SUFFIX):
-        row = tl.load(anc_ptr + beam * stride_aw + j, mask=ok, other=0).to(tl.int64)
-        at = cache_ptr + row[:, None] * stride_cw + j * stride_cs + kv_head * stride_ch + dims[None, :]
-        k = tl.load(at, mask=ok[:, None], other=0.0)
-        v = tl.load(at + stride_ckv, mask=ok[:, None], other=0.0)
+        k = tl.load(ks_ptr + beam[:, None] * stride_ksw + j * stride_kss + kv_head * stride_ksh + dims[None, :],
+                    mask=ok[:, None], other=0.0)
+        v = tl.load(vs_ptr + beam[:, None] * stride_vsw + j * stride_vss + kv_head * stride_vsh + dims[None, :],
+                    mask=ok[:, None], other=0.0)
         s = (tl.sum(q.to(tl.float32) * k.to(tl.float32), 1) * scale).to(tl.float32)
         m_new = tl.maximum(m_i, s)
         alpha = tl.exp(m_i - m_new)
@@ -83,9 +79,9 @@ def _suffix_keys(q, cache_ptr, anc_ptr, beam, ok, kv_head, stride_cw, stride_cs,
 
 @triton.jit
 def _prefix_attention_kernel(
-    q_ptr, kp_ptr, vp_ptr, cache_ptr, anc_ptr, o_ptr, cu_ptr, scale, width,
+    q_ptr, kp_ptr, vp_ptr, ks_ptr, vs_ptr, o_ptr, cu_ptr, scale, width,
     stride_qw, stride_qh, stride_kpt, stride_kph, stride_vpt, stride_vph,
-    stride_cw, stride_cs, stride_ckv, stride_ch, stride_aw, stride_ow, stride_oh,
+    stride_ksw, stride_kss, stride_ksh, stride_vsw, stride_vss, stride_vsh, stride_ow, stride_oh,
     SUFFIX: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -98,8 +94,8 @@ def _prefix_attention_kernel(
     m_i, l_i, acc = _prefix_blocks(q, kp_ptr, vp_ptr, start, 0, prefix_len, kv_head, stride_kpt, stride_kph,
                                    stride_vpt, stride_vph, scale, BLOCK_W * GROUP_PAD, HEAD_DIM, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
-    m_i, l_i, acc = _suffix_keys(q, cache_ptr, anc_ptr, beam, ok, kv_head, stride_cw, stride_cs, stride_ckv, stride_ch,
-                                 stride_aw, scale, m_i, l_i, acc, SUFFIX, HEAD_DIM)
+    m_i, l_i, acc = _suffix_keys(q, ks_ptr, vs_ptr, beam, ok, kv_head, stride_ksw, stride_kss, stride_ksh, stride_vsw,
+                                 stride_vss, stride_vsh, scale, m_i, l_i, acc, SUFFIX, HEAD_DIM)
     out = acc / l_i[:, None]
     tl.store(o_ptr + beam[:, None] * stride_ow + head[:, None] * stride_oh + dims[None, :],
              out.to(o_ptr.dtype.element_ty), mask=ok[:, None])
@@ -107,26 +103,23 @@ def _prefix_attention_kernel(
 
 @triton_op("slm::prefix_suffix_attention", mutates_args={})  # exports into AOTInductor graphs
 def prefix_suffix_attention(
-    q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor, cache: torch.Tensor, ancestry: torch.Tensor,
+    q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor, k_suffix: torch.Tensor, v_suffix: torch.Tensor,
     scale: float, prefix_cu: torch.Tensor, block_w: int = 0, block_n: int = 64, num_warps: int = 4,
     num_stages: int = 3,
 ) -> torch.Tensor:
     """q: [B*W, Hq, D]; k/v_prefix: [T, Hkv, D] with prompt b at rows prefix_cu[b]..prefix_cu[b+1]-1;
-    cache: [R, S, 2, Hkv, D], K then V of each slot; ancestry: [B*W, L] int32, L <= S, the cache row
-    each beam reads at slot j (L = 0: no suffix); prefix_cu: [B+1] int32. Returns [B*W, Hq, D].
-    block_w: beams per program; 0 picks 64 M rows (beams x query heads per kv head, padded to a
-    power of two), the fastest on the H200 at W=100 and 400 (2.6-3x over 128 rows), or fewer, at
-    least 16, when a prompt has fewer beams (one row per sequence: a prefill's last layer)."""
+    k/v_suffix: [B*W, S, Hkv, D], S >= 0; prefix_cu: [B+1] int32. Returns [B*W, Hq, D]. block_w: beams per
+    program; 0 picks 64 M rows (beams x query heads per kv head, padded to a power of two), the
+    fastest on the H200 at W=100 and 400 (2.6-3x over 128 rows), or fewer, at least 16, when a
+    prompt has fewer beams (one row per sequence: a prefill's last layer)."""
     rows, hq, d = q.shape
     hkv = k_prefix.shape[1]
-    length = ancestry.shape[1]
+    s = k_suffix.shape[1]
     prompts = prefix_cu.shape[0] - 1
-    if (hq % hkv or d not in (16, 32, 64, 128) or v_prefix.shape != k_prefix.shape or cache.dim() != 5
-            or tuple(cache.shape[2:]) != (2, hkv, d) or ancestry.shape[0] != rows or length > cache.shape[1]):
+    if hq % hkv or d not in (16, 32, 64, 128) or k_suffix.shape != (rows, s, hkv, d) or v_prefix.shape != k_prefix.shape:
         raise ValueError(f"prefix_suffix_attention: unsupported shapes q {tuple(q.shape)}, "
-                         f"prefix {tuple(k_prefix.shape)}, cache {tuple(cache.shape)}, ancestry "
-                         f"{tuple(ancestry.shape)}, {prompts} prompts")
-    if any(t.stride(-1) != 1 for t in (q, k_prefix, v_prefix, cache, ancestry)):
+                         f"prefix {tuple(k_prefix.shape)}, suffix {tuple(k_suffix.shape)}, {prompts} prompts")
+    if any(t.stride(-1) != 1 for t in (q, k_prefix, v_prefix, k_suffix, v_suffix)):
         raise ValueError("prefix_suffix_attention: the head dimension must be contiguous")
     width = rows // prompts  # the beams of one prompt (rows are a whole number of prompts' beams)
     group_pad = triton.next_power_of_2(hq // hkv)
@@ -134,16 +127,15 @@ def prefix_suffix_attention(
     block_w = block_w or max(1, rows_per_program // group_pad)
     out = torch.empty_like(q)
     grid = (triton.cdiv(width, block_w), hkv, prompts)
-    # No suffix (a prefill's last layer, one row per sequence): nothing of the cache or ancestry is
-    # read, but an empty CUDA tensor's pointer is null, which a kernel launch may refuse; the
-    # prefix and prefix_cu stand in.
-    cache_in, anc_in = (k_prefix, prefix_cu) if length == 0 else (cache, ancestry)
+    # No suffix (a prefill's last layer, one row per sequence): its K/V are never read, but an empty
+    # CUDA tensor's pointer is null, which a kernel launch may refuse; the prefix's stands in.
+    ks, vs = (k_prefix, v_prefix) if s == 0 else (k_suffix, v_suffix)
     group = dict(GROUP=hq // hkv, GROUP_PAD=group_pad, HEAD_DIM=d, BLOCK_W=block_w)
     wrap_triton(_prefix_attention_kernel)[grid](
-        q, k_prefix, v_prefix, cache_in, anc_in, out, prefix_cu, scale, width,
+        q, k_prefix, v_prefix, ks, vs, out, prefix_cu, scale, width,
         q.stride(0), q.stride(1), k_prefix.stride(0), k_prefix.stride(1), v_prefix.stride(0), v_prefix.stride(1),
-        cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3), ancestry.stride(0),
-        out.stride(0), out.stride(1),
-        SUFFIX=length, BLOCK_N=block_n, **group, **launch_options(num_warps, num_stages),
+        k_suffix.stride(0), k_suffix.stride(1), k_suffix.stride(2), v_suffix.stride(0), v_suffix.stride(1),
+        v_suffix.stride(2), out.stride(0), out.stride(1),
+        SUFFIX=s, BLOCK_N=block_n, **group, **launch_options(num_warps, num_stages),
     )
     return out

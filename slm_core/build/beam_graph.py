@@ -121,9 +121,7 @@ class BeamGraph(nn.Module):
         history = torch.zeros(b, 1, 0, dtype=torch.int64, device=dev)  # running beams' tokens [B, K, step-1]
         cum = torch.zeros(b, 1, dtype=torch.float32, device=dev)
         state = self.start(b, dev)
-        caches = self.model.suffix_cache(b * w, n - 1, dev)  # per layer, slot j: the K/V of step j+2's input
-        beam_rows = torch.arange(b * w, device=dev, dtype=torch.int32)[:, None]
-        ancestry = beam_rows[:, :0]  # [B*W, slots written]: the cache row of each beam's ancestor
+        suffix = None  # per layer [B*W, step-1, Hkv, D] from the first decode on
         pool_tokens = torch.full((b, w, n), self.pad_id, dtype=torch.int64, device=dev)
         pool_lengths = torch.zeros(b, w, dtype=torch.int64, device=dev)
         pool_scores = torch.full((b, w), NEG, dtype=torch.float32, device=dev)
@@ -133,8 +131,7 @@ class BeamGraph(nn.Module):
         for step in range(1, n + 1):  # `step` tokens generated after this iteration
             if step > 1:
                 last = history[:, :, -1].reshape(-1)  # [B*W]
-                ancestry = torch.cat([ancestry, beam_rows], dim=1)  # this step's slot: each beam's own row
-                hidden, caches = self.model.decode(last, prompt_len + (step - 2), prefix, cu_seqlens, caches, ancestry)
+                hidden, suffix = self.model.decode(last, prompt_len + (step - 2), prefix, cu_seqlens, suffix)
                 logits = self.logits(hidden, head)  # [B*W, V]
             scores, parent, token, stopped, grown, item = self.expand(logits, cum, state, step, options, constants)
             scores = torch.where(rank < 2 * width, scores, -INF)  # a width-w search has 2w candidates
@@ -156,14 +153,14 @@ class BeamGraph(nn.Module):
             if item is not None:
                 pool_items = take(torch.cat([pool_items, item], dim=1), keep)
 
-            if step < n:  # running beams: the best w that did not end; reorder history, state and ancestry only
+            if step < n:  # running beams: the best w that did not end; reorder history, state and suffix K/V only
                 cum, keep = (scores + ends.float() * NEG).topk(w, dim=1)
                 cum = torch.where(slot < width, cum, -INF)
                 history = take(candidates, keep)
                 state = tuple(take(s, keep) for s in grown)
-                if step > 1:
+                if suffix is not None:
                     rows = (take(parent, keep) + torch.arange(b, device=dev)[:, None] * w).flatten()
-                    ancestry = ancestry.index_select(0, rows)
+                    suffix = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in suffix]
         return pool_tokens, pool_lengths, pool_scores, pool_items
 
 

@@ -3,10 +3,8 @@
 Prefill runs over `[ΣL, hidden]` with `cu_seqlens` marking the sequences, its last layer past q/k/v
 over each sequence's last token only (all that is read of it); decode runs the W beams
 of each of B prompts, which share their prompt's K/V (packed `[ΣLp, kv_heads, d]`, stored once)
-and read their own generated tokens' K/V from a suffix cache (`[B*W, S, 2, kv_heads, d]`, one
-slot per decode step) through an ancestry table (`[B*W, L]`: the row of each beam's ancestor at
-each slot), so that reordering beams never moves K/V. The module knows nothing of tasks, search
-or quantisation.
+and each own a suffix K/V (`[B*W, S, kv_heads, d]`). The module knows nothing of tasks, search or
+quantisation.
 """
 
 from typing import Callable, Mapping, NamedTuple
@@ -15,7 +13,7 @@ import torch
 from torch import nn
 
 from kernels import packed_attention_ref, prefix_suffix_attention_ref, sequence_of_tokens
-from kernels.layer_ref import qkv_rope_ref, qkv_rope_step_ref, rms_norm_ref, silu_mul_ref
+from kernels.layer_ref import qkv_rope_ref, rms_norm_ref, silu_mul_ref
 from slm_core.errors import SpecError
 from slm_core.spec import ModelSpec
 
@@ -37,15 +35,14 @@ class Ops(NamedTuple):
     that implement them (triton_ops()); same signatures."""
 
     packed_attention: Callable  # (q, k, v, cu_seqlens, scale, max_seqlen) -> o
-    prefix_attention: Callable  # (q, k_prefix, v_prefix, cache, ancestry, scale, prefix_cu) -> o
+    prefix_attention: Callable  # (q, k_prefix, v_prefix, k_suffix, v_suffix, scale, prefix_cu) -> o
     qkv_rope: Callable  # (qkv, cos, sin, heads, kv_heads, q_weight, k_weight, eps) -> q, k, v
-    qkv_rope_step: Callable  # (qkv, cos, sin, heads, kv_heads, q_weight, k_weight, eps, cache, slot) -> q, cache
     silu_mul: Callable  # (gate_up) -> silu(gate) * up
 
 
 REFERENCE_OPS = Ops(
     lambda q, k, v, cu_seqlens, scale, max_seqlen: packed_attention_ref(q, k, v, cu_seqlens, scale),
-    prefix_suffix_attention_ref, qkv_rope_ref, qkv_rope_step_ref, silu_mul_ref,
+    prefix_suffix_attention_ref, qkv_rope_ref, silu_mul_ref,
 )
 
 
@@ -53,10 +50,10 @@ def triton_ops() -> Ops:
     """The Triton ops (imported only when asked for: triton is optional on CPU)."""
     from kernels.packed_attention import packed_attention
     from kernels.prefix_attention import prefix_suffix_attention
-    from kernels.qkv_rope import qkv_rope, qkv_rope_step
+    from kernels.qkv_rope import qkv_rope
     from kernels.silu_mul import silu_mul
 
-    return Ops(packed_attention, prefix_suffix_attention, qkv_rope, qkv_rope_step, silu_mul)
+    return Ops(packed_attention, prefix_suffix_attention, qkv_rope, silu_mul)
 
 
 class Attention(nn.Module):
@@ -71,13 +68,11 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.scale = spec.head_dim**-0.5
 
-    def _norms(self) -> tuple:
-        return (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
-
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """q [T, Hq, D], k and v [T, Hkv, D]: q and k QK-normed (Qwen3) and rotated."""
         s = self.spec
-        return self.ops.qkv_rope(self.qkv(x), cos, sin, s.num_heads, s.num_kv_heads, *self._norms(), s.rms_norm_eps)
+        norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
+        return self.ops.qkv_rope(self.qkv(x), cos, sin, s.num_heads, s.num_kv_heads, *norms, s.rms_norm_eps)
 
     def prefill(self, x, cos, sin, cu_seqlens) -> tuple[torch.Tensor, KV]:
         q, k, v = self.project(x, cos, sin)
@@ -89,19 +84,17 @@ class Attention(nn.Module):
         only those rows' queries attend, each over its whole sequence (the decode kernel with one
         beam per sequence and no suffix)."""
         q, k, v = self.project(x, cos, sin)
-        n = rows.shape[0]  # no generated tokens
-        cache, ancestry = k.new_empty(n, 0, 2, *k.shape[1:]), cu_seqlens.new_empty(n, 0)
-        o = self.ops.prefix_attention(q.index_select(0, rows), k, v, cache, ancestry, self.scale, cu_seqlens)
+        none = k.new_empty(rows.shape[0], 0, *k.shape[1:])  # no generated tokens
+        o = self.ops.prefix_attention(q.index_select(0, rows), k, v, none, none, self.scale, cu_seqlens)
         return self.o(o.flatten(1)), (k, v)
 
-    def decode(self, x, cos, sin, prefix: KV, prefix_cu, cache, ancestry) -> tuple[torch.Tensor, torch.Tensor]:
-        """One new token per beam; its K/V go to the cache's slot L-1 (L: ancestry's columns), which
-        the beams' ancestry names them at. Returns the output and the grown cache."""
-        s = self.spec
-        q, cache = self.ops.qkv_rope_step(self.qkv(x), cos, sin, s.num_heads, s.num_kv_heads, *self._norms(),
-                                          s.rms_norm_eps, cache, ancestry.shape[1] - 1)
-        o = self.ops.prefix_attention(q, prefix[0], prefix[1], cache, ancestry, self.scale, prefix_cu)
-        return self.o(o.flatten(1)), cache
+    def decode(self, x, cos, sin, prefix: KV, prefix_cu, suffix: KV | None) -> tuple[torch.Tensor, KV]:
+        q, k, v = self.project(x, cos, sin)  # one new token per beam: [B*W, H, D]
+        k, v = k[:, None], v[:, None]  # [B*W, 1, Hkv, D]
+        if suffix is not None:
+            k, v = torch.cat([suffix[0], k], dim=1), torch.cat([suffix[1], v], dim=1)
+        o = self.ops.prefix_attention(q, prefix[0], prefix[1], k, v, self.scale, prefix_cu)
+        return self.o(o.flatten(1)), (k, v)
 
 
 class MLP(nn.Module):
@@ -193,29 +186,21 @@ class Transformer(nn.Module):
             kvs.append(kv)
         return x, kvs
 
-    def suffix_cache(self, beams: int, steps: int, device: torch.device) -> list[torch.Tensor]:
-        """Per layer an empty suffix cache [beams, steps, 2, Hkv, D] for `steps` decode steps."""
-        s = self.spec
-        dtype = self.embed.weight.dtype
-        return [torch.empty(beams, steps, 2, s.num_kv_heads, s.head_dim, dtype=dtype, device=device)
-                for _ in self.layers]
-
     def decode(
         self, input_ids: torch.Tensor, positions: torch.Tensor, prefix: list[KV], prefix_cu: torch.Tensor,
-        caches: list[torch.Tensor], ancestry: torch.Tensor,
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        suffix: list[KV] | None,
+    ) -> tuple[torch.Tensor, list[KV]]:
         """One token for each beam of B prompts (W beams each, prompt by prompt). input_ids and
         positions: [B*W]. prefix: per layer the prompts' K/V packed [T, Hkv, D], prompt b at rows
-        prefix_cu[b]..prefix_cu[b+1]-1; caches: per layer the suffix cache [B*W, S, 2, Hkv, D];
-        ancestry: [B*W, L] int32, L <= S, per beam the cache row of its ancestor at each slot, its own
-        row at slot L-1, where this step's K/V go. Returns hidden [B*W, hidden] and the caches
-        with this step's slot written."""
+        prefix_cu[b]..prefix_cu[b+1]-1; suffix: per layer [B*W, S, Hkv, D] or None before the first
+        decode. Returns hidden [B*W, hidden] and the suffixes grown by this token ([B*W, S+1, Hkv, D])."""
         x = self.embed(input_ids)
         cos, sin = self._rope(positions, x.dtype)
         grown = []
-        for layer, p, cache in zip(self.layers, prefix, caches):
-            x, cache = layer.run(x, lambda h, a=layer.attn, c=cache, p=p: a.decode(h, cos, sin, p, prefix_cu, c, ancestry))
-            grown.append(cache)
+        for i, layer in enumerate(self.layers):
+            past = None if suffix is None else suffix[i]
+            x, kv = layer.run(x, lambda h, a=layer.attn, p=prefix[i]: a.decode(h, cos, sin, p, prefix_cu, past))
+            grown.append(kv)
         return x, grown
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -40,13 +40,12 @@ def test_prefix_suffix_attention(width, prompts, suffix, heads):
     d = heads[2]
     torch.manual_seed(width + sum(prompts))
     rows = width * len(prompts)
-    q, kp, vp, cache, anc, cu = random_prefix_inputs(width, prompts, suffix, heads)
-    out = prefix_suffix_attention_ref(q, kp, vp, cache, anc, d**-0.5, cu)
+    q, kp, vp, ks, vs, cu = random_prefix_inputs(width, prompts, suffix, heads)
+    out = prefix_suffix_attention_ref(q, kp, vp, ks, vs, d**-0.5, cu)
     assert out.shape == q.shape
-    for r in range(rows):  # beam r sees its own prompt followed by its ancestors' tokens, slot by slot
+    for r in range(rows):  # beam r sees its own prompt followed by its own suffix
         a, b = cu[r // width].item(), cu[r // width + 1].item()
-        own = torch.stack([cache[anc[r, j], j] for j in range(suffix)])  # [suffix, 2, Hkv, D]
-        k, v = torch.cat([kp[a:b], own[:, 0]]), torch.cat([vp[a:b], own[:, 1]])
+        k, v = torch.cat([kp[a:b], ks[r]]), torch.cat([vp[a:b], vs[r]])
         ref = naive_attention(q[r : r + 1], k, v, causal=False, scale=d**-0.5)
         torch.testing.assert_close(out[r : r + 1].double(), ref, atol=1e-5, rtol=1e-5)
 

@@ -34,7 +34,7 @@ def test_attention_kernels_compile_for_hopper(group, head_dim, float_type):
 
     pad = triton.next_power_of_2(group)
     heads = dict(GROUP=group, GROUP_PAD=pad, HEAD_DIM=head_dim)
-    i32 = {"cu_ptr": "*i32", "anc_ptr": "*i32"}
+    i32 = {"cu_ptr": "*i32"}
     assert compile_for_hopper(_packed_attention_kernel, dict(heads, BLOCK_M=GROUPED_ROWS // pad,
                                                              BLOCK_N=4096 // head_dim), i32, float_type)["cubin"]
     for suffix in (0, 4):  # a prefill's last layer (no suffix); the last decode step of 5 new tokens
@@ -44,15 +44,13 @@ def test_attention_kernels_compile_for_hopper(group, head_dim, float_type):
 
 @pytest.mark.parametrize("heads, kv_heads, head_dim, norm", [(16, 8, 128, True), (14, 2, 64, False), (9, 3, 64, False)])
 def test_qkv_rope_compiles_for_hopper(heads, kv_heads, head_dim, norm):
-    from kernels.qkv_rope import _qkv_rope_kernel, _qkv_rope_step_kernel
+    from kernels.qkv_rope import _qkv_rope_kernel
 
     p2 = triton.next_power_of_2
     constants = dict(HEADS=heads, HEADS_PAD=p2(heads), KV_HEADS=kv_heads, KV_PAD=p2(kv_heads), HEAD_DIM=head_dim,
                      V_PAD=p2(kv_heads * head_dim), NORM=norm)
     for float_type in ("fp32", "fp64"):
         assert compile_for_hopper(_qkv_rope_kernel, constants, float_type=float_type)["cubin"]
-        assert compile_for_hopper(_qkv_rope_step_kernel, dict(constants, COPY_BLOCK=1024),
-                                  float_type=float_type)["cubin"]
 
 
 @pytest.mark.parametrize("static, float_type", [(False, "fp32"), (True, "fp32"), (True, "fp64")])
