@@ -91,4 +91,6 @@ if [[ $DEVICE == cuda* && $MPS == 1 ]]; then
     echo "serve.sh: no nvidia-cuda-mps-control here: the workers will time-slice the GPU"
   fi
 fi
+# TorchServe's metrics as the repository's metrics.yaml declares them (QueueTime as a histogram)
+export TS_METRICS_CONFIG=${TS_METRICS_CONFIG:-$here/../metrics.yaml}
 exec torchserve --start --foreground --ncs --ts-config "$TS_CONFIG" --model-store "$MODEL_STORE" --models all

@@ -56,6 +56,7 @@ class TorchServe:
             "inference_address": self.inference, "management_address": self.management,
             "metrics_address": self.metrics, "grpc_inference_port": grpc_i, "grpc_management_port": grpc_m,
             "initial_worker_port": workers,  # worker sockets live under the private TMPDIR too
+            "metrics_config": REPO / "metrics.yaml",  # the server runs in workdir
         }
         lines = [l for l in settings if l.split("=", 1)[0].strip() not in overrides]
         lines += [f"{k}={v}" for k, v in overrides.items()]

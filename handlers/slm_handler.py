@@ -15,6 +15,8 @@ import signal
 import time
 
 import torch
+from ts.metrics.dimension import Dimension
+from ts.metrics.metric_type_enum import MetricTypes
 from ts.utils.util import PredictionException
 
 from slm_core.serve.loader import load_package, mps_running
@@ -50,6 +52,25 @@ def shared_grpc_error(grpc: list[bool], replies: list[Reply]) -> Reply | None:
     first = replies[0]
     same = all((r.status, r.body) == (first.status, first.body) for r in replies)
     return first if all(grpc) and first.status != 200 and same else None
+
+
+def record_metrics(metrics, replies: list[Reply]) -> None:
+    """What an operator alerts on, from one batch, on TorchServe's Prometheus endpoint: each graph
+    call once, its seconds (SlmGraphCallSeconds) and its requests (SlmRequestsPerCall) as
+    histograms; each answered request's texts and tokens (SlmTexts, SlmTokens); each request the
+    handler refused or failed, by its status (SlmRefused, Status "400", "415", "500"). TorchServe's
+    own refusals of a full queue (503) never reach a worker: its Requests5XX counts them."""
+    calls = {}
+    for reply in replies:
+        if reply.stats is None:
+            metrics.add_counter("SlmRefused", 1, dimensions=[Dimension("Status", str(reply.status))])
+            continue
+        calls[reply.stats.call] = reply.stats
+        metrics.add_counter("SlmTexts", reply.stats.texts)
+        metrics.add_counter("SlmTokens", reply.stats.tokens)
+    for stats in calls.values():
+        metrics.add_time("SlmGraphCallSeconds", stats.graph_ms / 1e3, unit="s", metric_type=MetricTypes.HISTOGRAM)
+        metrics.add_metric("SlmRequestsPerCall", stats.batch, "count", metric_type=MetricTypes.HISTOGRAM)
 
 
 def requests(data: list[dict], ctx) -> list[Request]:
@@ -107,6 +128,8 @@ class SlmHandler:
         handler_ms = (time.perf_counter() - start) * 1e3  # parse, tokenize, graph call, encode
         grpc = [through_grpc(request) for request in batch]
         failed = shared_grpc_error(grpc, replies)
+        if ctx.metrics is not None:
+            record_metrics(ctx.metrics, replies)
         if failed is not None:
             raise PredictionException(failed.body.decode("utf-8"), failed.status)
         return [self._answer(i, reply, handler_ms, ctx, grpc[i]) for i, reply in enumerate(replies)]
@@ -125,9 +148,4 @@ class SlmHandler:
             ctx.set_response_header(i, "X-Slm-Handler-Ms", f"{handler_ms:.3f}")
             ctx.set_response_header(i, "X-Slm-Graph-Ms", f"{reply.stats.graph_ms:.3f}")
             ctx.set_response_header(i, "X-Slm-Batch", str(reply.stats.batch))
-            if ctx.metrics is not None:
-                ctx.metrics.add_counter("SlmTexts", reply.stats.texts)
-                ctx.metrics.add_counter("SlmTokens", reply.stats.tokens)
-                ctx.metrics.add_time("SlmGraphTime", reply.stats.graph_ms)
-                ctx.metrics.add_counter("SlmBatchedRequests", int(reply.stats.batch > 1))  # shared a graph call
         return reply.body

@@ -9,7 +9,7 @@ class MockContext:
         self.system_properties = {"model_dir": str(model_dir), "gpu_id": None}
         self.model_yaml_config = model_yaml_config or {}
         self.request_headers = request_headers or []
-        self.status, self.headers, self.counters = {}, {}, {}
+        self.status, self.headers, self.counters, self.histograms = {}, {}, {}, {}
         self.metrics = self
 
     def get_all_request_header(self, idx):
@@ -24,8 +24,14 @@ class MockContext:
     def set_response_header(self, idx, key, value):
         self.headers.setdefault(idx, {})[key] = value
 
-    def add_counter(self, name, value):
-        self.counters[name] = self.counters.get(name, 0) + value
+    def add_counter(self, name, value, idx=None, dimensions=()):
+        key = (name, *(f"{d.name}={d.value}" for d in dimensions))
+        self.counters[key if dimensions else name] = self.counters.get(key if dimensions else name, 0) + value
 
-    def add_time(self, name, value):
-        self.counters[name] = value
+    def add_time(self, name, value, idx=None, unit="ms", dimensions=(), metric_type=None):
+        self.add_metric(name, value, unit, idx, dimensions, metric_type)
+
+    def add_metric(self, name, value, unit, idx=None, dimensions=(), metric_type=None):
+        """Histograms (by TorchServe's MetricTypes name) keep every observation."""
+        assert getattr(metric_type, "name", None) == "HISTOGRAM", (name, metric_type)
+        self.histograms.setdefault((name, unit), []).append(value)

@@ -6,6 +6,7 @@ preallocated at load.
 """
 
 import contextlib
+import itertools
 import threading
 import time
 from dataclasses import dataclass
@@ -21,12 +22,14 @@ from slm_core.tasks import Task
 @dataclass(frozen=True)
 class CallStats:
     """What a request cost: its sequences and tokens, the milliseconds of the graph call that
-    served it (copy-in to results on the host) and how many requests that call served."""
+    served it (copy-in to results on the host), how many requests that call served, and the
+    call's number in this engine (requests that shared a call share it)."""
 
     texts: int
     tokens: int
     graph_ms: float
     batch: int = 1
+    call: int = 0
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,7 @@ class Engine:
         self.constants = tuple(c.to(self.device) for c in task.graph_constants())  # after the call's inputs
         self.context = Context(task, self.device, replay)
         self._lock = threading.Lock()
+        self._calls = itertools.count(1)
 
     @property
     def tokenizer(self):
@@ -102,9 +106,10 @@ class Engine:
                 return [Result(error=s) for s in spans]
             n, t = sum(s.count for s in members), sum(s.tokens for s in members)
             outputs, graph_ms = self._call(n, t)
+            call = next(self._calls)
         return [Result(error=s) if isinstance(s, InputError) else
                 Result(self.task.unpack(outputs, s.first, s.count, value),
-                       CallStats(s.count, s.tokens, graph_ms, len(members)))
+                       CallStats(s.count, s.tokens, graph_ms, len(members), call))
                 for s, value in zip(spans, values)]
 
     def synthetic_call(self, sequences: int, tokens: int) -> float:

@@ -63,6 +63,8 @@ def test_serves_the_real_archive_it_finds(tmp_path, demo):
         assert answer["labels"] == ["Yes", "No"] and sum(answer["scores"][0]) == pytest.approx(1, abs=1e-5)
         status, body = http("GET", f"http://127.0.0.1:{metrics}/metrics")
         assert status == 200 and b"ts_inference_requests_total" in body
+        # metrics.yaml through serve.sh: TorchServe's queue wait as a histogram
+        assert b"QueueTime_bucket" in body and b"SlmGraphCallSeconds_bucket" in body
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:

@@ -95,20 +95,44 @@ def test_scale_to_two_workers_both_answer(server, archives):
     answers = {server.predict("tiny_score", body) for _ in range(12)}
     assert answers == {(200, respond(engine, Request({"body": body})).body)}, answers
     # The archive batches up to 3 queued requests into one graph call (max_batch: 3), as the
-    # handler's counter of requests that shared a call shows.
+    # handler's histogram of requests per call shows: more requests than calls.
     text = http("GET", f"{server.metrics}/metrics")[1].decode()
-    batched = re.findall(r'SlmBatchedRequests\{ModelName="tiny_score"[^}]*\} (\S+)', text)
-    assert batched and sum(float(v) for v in batched) > 0, batched
+    calls = re.findall(r'SlmRequestsPerCall_count\{[^}]*ModelName="tiny_score"[^}]*\} (\S+)', text)
+    served = re.findall(r'SlmRequestsPerCall_sum\{[^}]*ModelName="tiny_score"[^}]*\} (\S+)', text)
+    assert calls and served and float(served[0]) > float(calls[0]), (calls, served)
 
 
-def test_metrics_endpoint(server):
-    assert server.predict("tiny_beam", b'{"prompt": "search"}')[0] == 200
-    status, body = http("GET", f"{server.metrics}/metrics")
-    text = body.decode()
-    assert status == 200
-    assert re.search(r'ts_inference_requests_total\{model_name="tiny_score"', text)
-    for name in ("SlmTexts", "SlmTokens", "SlmGraphTime"):
-        assert re.search(name + r'\{ModelName="tiny_beam"', text), name
+def scrape(server, name: str, model: str, **labels) -> dict[str, float]:
+    """The samples of one metric for one model (None: any) with these labels: {"NAME_bucket{le=X}" or
+    "NAME_count" ...: value}."""
+    text = http("GET", f"{server.metrics}/metrics")[1].decode()
+    out = {}
+    for sample, tags, value in re.findall(rf"^({name}(?:_bucket|_count|_sum)?)\{{([^}}]*)\}} (\S+)$", text, re.M):
+        tags = dict(re.findall(r'(\w+)="([^"]*)"', tags))
+        if (model is None or tags.get("ModelName") == model) and all(tags.get(k) == v for k, v in labels.items()):
+            out[sample + (f"{{le={tags['le']}}}" if "le" in tags else "")] = float(value)
+    return out
+
+
+def test_metrics_an_operator_alerts_on(server):
+    """Scraped from TorchServe's Prometheus endpoint: each graph call's seconds and requests as
+    histograms (one observation per call), the handler's refusals by status, and TorchServe's
+    own queue wait as a histogram (metrics.yaml)."""
+    before = scrape(server, "SlmGraphCallSeconds", "tiny_beam")
+    refused = scrape(server, "SlmRefused", "tiny_beam", Status="400").get("SlmRefused", 0.0)
+    queued = scrape(server, "QueueTime", None).get("QueueTime_count", 0.0)
+    for _ in range(3):
+        assert server.predict("tiny_beam", b'{"prompt": "search"}')[0] == 200
+    assert server.predict("tiny_beam", b'{"prompt": 7}')[0] == 400
+    seconds = scrape(server, "SlmGraphCallSeconds", "tiny_beam")
+    assert seconds["SlmGraphCallSeconds_count"] - before.get("SlmGraphCallSeconds_count", 0) == 3  # sent one by one
+    assert 0 < seconds["SlmGraphCallSeconds_sum"] - before.get("SlmGraphCallSeconds_sum", 0) < 60
+    assert seconds["SlmGraphCallSeconds_bucket{le=+Inf}"] == seconds["SlmGraphCallSeconds_count"]
+    assert scrape(server, "SlmRequestsPerCall", "tiny_beam")["SlmRequestsPerCall_count"] >= 3
+    assert scrape(server, "SlmRefused", "tiny_beam", Status="400")["SlmRefused"] == refused + 1
+    assert scrape(server, "QueueTime", None)["QueueTime_count"] >= queued + 4  # every request, the refused one too
+    for name in ("SlmTexts", "SlmTokens"):
+        assert scrape(server, name, "tiny_beam"), name
 
 
 BAD = [

@@ -51,8 +51,13 @@ def test_a_batch_of_good_and_bad_requests_gets_an_answer_each(archives):
     assert 'form fields "hello"' in bodies[4]["error"] and "Content-Encoding 'gzip'" in bodies[5]["error"]
     # The two good requests shared one graph call (max_batch: 3); each equals its own call.
     assert bodies[3]["scores"][0] == pytest.approx(handler.engine.run_one(["the lazy dog"])[0], abs=1e-6)
-    assert ctx.counters["SlmTexts"] == 3 and ctx.counters["SlmTokens"] > 3 and ctx.counters["SlmGraphTime"] > 0
-    assert ctx.counters["SlmBatchedRequests"] == 2
+    # metrics: the one graph call once (its seconds, its 2 requests), the texts of both, the four
+    # refusals by status
+    assert ctx.counters["SlmTexts"] == 3 and ctx.counters["SlmTokens"] > 3
+    (seconds,) = ctx.histograms[("SlmGraphCallSeconds", "s")]
+    assert 0 < seconds * 1e3 == pytest.approx(float(ctx.headers[0]["X-Slm-Graph-Ms"]), abs=1e-3)
+    assert ctx.histograms[("SlmRequestsPerCall", "count")] == [2]
+    assert ctx.counters[("SlmRefused", "Status=400")] == 3 and ctx.counters[("SlmRefused", "Status=415")] == 1
 
 
 SERVE_WITHOUT_BUILD = """
