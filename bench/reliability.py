@@ -22,7 +22,9 @@ Several steps, comma-separated, run on one server one after the other (--out the
 {step: result}). --workload W1|W2|W3 makes overload's and soak's valid requests that
 workload's (bench.workloads) instead of the short multilingual ones.
 
-overload offers 0.8x capacity for 10 s, factor (3) x capacity for --seconds, then 0.8x for 10 s;
+overload offers 0.8x capacity for 10 s, factor (3) x capacity for --seconds, then 0.8x for 10 s
+(with --deadline-ms, each request carrying that deadline: refusals are counted for a full queue
+and for the deadline, and the answers that came after it);
 soak offers 0.8x capacity for --seconds and reports each window. Both sample the workers' host
 memory (and GPU memory where nvidia-smi runs) every second. Without --capacity, it is measured
 first (bench.loadgen sweep: the highest closed-loop QPS within the SLO).
@@ -287,11 +289,12 @@ def run(url: str, management: str, model: str, bad: list[Probe], valid: list[Pro
             "tolerance": tolerance._asdict(), "failures": failures}
 
 
-def open_loop(url: str, bodies: list[bytes], rate: float, seconds: float, timeout: float = 30.0
-              ) -> list[tuple[float, float, int]]:
+def open_loop(url: str, bodies: list[bytes], rate: float, seconds: float, timeout: float = 30.0,
+              deadline_ms: float | None = None) -> list[tuple[float, float, int]]:
     """Requests at `rate` per second for `seconds`, each sent on schedule whatever the others are
     doing (open loop; no client-side limit on connections). Per request: (sent, seconds from the
-    start; latency ms; status, 0 for a timeout or a broken connection)."""
+    start; latency ms; status, 0 for a timeout or a broken connection). With deadline_ms, each
+    carries it (X-Slm-Deadline-Ms) and its send time as a proxy stamps it (X-Request-Start)."""
     import aiohttp
 
     async def go():
@@ -300,8 +303,11 @@ def open_loop(url: str, bodies: list[bytes], rate: float, seconds: float, timeou
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout)) as session:
             async def one(i: int, at: float):
                 sent = time.perf_counter()
+                headers = {"Content-Type": JSON}
+                if deadline_ms is not None:
+                    headers.update({"X-Slm-Deadline-Ms": f"{deadline_ms:g}", "X-Request-Start": f"t={time.time():.6f}"})
                 try:
-                    async with session.post(url, data=bodies[i % len(bodies)], headers={"Content-Type": JSON}) as r:
+                    async with session.post(url, data=bodies[i % len(bodies)], headers=headers) as r:
                         await r.read()
                         status = r.status
                 except (aiohttp.ClientError, asyncio.TimeoutError):
@@ -372,10 +378,11 @@ def _gpu_mib(pids: list[str]) -> float | None:
                if p.strip() in pids)
 
 
-def summary(records: list[tuple[float, float, int]], seconds: float) -> dict:
-    """Offered and answered rates, admitted (200) latency, refused (429/503) latency, the rest."""
+def summary(records: list[tuple[float, float, int]], seconds: float, deadline_ms: float | None = None) -> dict:
+    """Offered and answered rates, admitted (200) latency, refused (429/503: a full queue; 504:
+    a deadline) latency, the rest; with deadline_ms, the answers that came after it."""
     ok = sorted(ms for _, ms, s in records if s == 200)
-    refused = sorted(ms for _, ms, s in records if s in (429, 503))
+    refused = sorted(ms for _, ms, s in records if s in (429, 503, 504))
 
     def pct(values, q):
         return percentile(values, q) if values else None
@@ -384,20 +391,24 @@ def summary(records: list[tuple[float, float, int]], seconds: float) -> dict:
             "admitted_mean_ms": statistics.fmean(ok) if ok else None, "admitted_p50_ms": pct(ok, 50),
             "admitted_p99_ms": pct(ok, 99), "refused": len(refused), "refused_p50_ms": pct(refused, 50),
             "refused_p99_ms": pct(refused, 99), "refused_max_ms": refused[-1] if refused else None,
-            "other_statuses": dict(Counter(str(s) for _, _, s in records if s not in (200, 429, 503)))}
+            "refused_queue_full": sum(s in (429, 503) for _, _, s in records),
+            "refused_deadline": sum(s == 504 for _, _, s in records),
+            **({"answered_after_deadline": sum(ms > deadline_ms for ms in ok)} if deadline_ms is not None else {}),
+            "other_statuses": dict(Counter(str(s) for _, _, s in records if s not in (200, 429, 503, 504)))}
 
 
 def overload(url: str, management: str, model: str, bodies: list[bytes], capacity: float, seconds: float,
-             factor: float = 3.0, settle: float = 10.0) -> dict:
+             factor: float = 3.0, settle: float = 10.0, deadline_ms: float | None = None) -> dict:
     """0.8x capacity for `settle` s, factor x capacity for `seconds`, 0.8x again for `settle` s
-    (recovery: also per second), with the workers' memory over each phase."""
+    (recovery: also per second), with the workers' memory over each phase; with deadline_ms,
+    every request carries that deadline."""
     phases = [("before", 0.8, settle), ("burst", factor, seconds), ("after", 0.8, settle)]
-    result: dict = {"capacity": capacity, "factor": factor}
+    result: dict = {"capacity": capacity, "factor": factor, "deadline_ms": deadline_ms}
     with Memory(management, model) as memory:
         for name, x, secs in phases:
             t0 = time.perf_counter() - memory.start
-            records = open_loop(url, bodies, x * capacity, secs)
-            result[name] = {**summary(records, secs), **memory.between(t0, time.perf_counter() - memory.start)}
+            records = open_loop(url, bodies, x * capacity, secs, deadline_ms=deadline_ms)
+            result[name] = {**summary(records, secs, deadline_ms), **memory.between(t0, time.perf_counter() - memory.start)}
             if name == "after":
                 result[name]["p99_ms_per_second"] = [summary([r for r in records if k <= r[0] < k + 1], 1)["admitted_p99_ms"]
                                                       for k in range(int(secs))]
@@ -440,6 +451,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=4)
     p.add_argument("--capacity", type=float, help="req/s at the SLO (default: measured first)")
     p.add_argument("--seconds", type=float, default=60.0)
+    p.add_argument("--deadline-ms", type=float, help="overload: every request carries this deadline (X-Slm-Deadline-Ms, "
+                   "its send time as X-Request-Start); the result counts refusals by reason and answers after it")
     p.add_argument("--out", type=Path, help="also write the JSON result here")
     args = p.parse_args()
     steps = args.steps.split(",")
@@ -484,8 +497,11 @@ def main() -> None:
             capacity = capacity or measured_capacity(args.url, bodies)
             if not capacity:
                 raise SystemExit("no concurrency met the SLO (mean < 20 ms, P99 < 80 ms): pass --capacity R")
-            step = overload if name == "overload" else soak
-            results[name] = step(args.url, args.management, args.model, bodies, capacity, args.seconds)
+            if name == "overload":
+                results[name] = overload(args.url, args.management, args.model, bodies, capacity, args.seconds,
+                                         deadline_ms=args.deadline_ms)
+            else:
+                results[name] = soak(args.url, args.management, args.model, bodies, capacity, args.seconds)
     finally:
         if server:
             server.stop()

@@ -19,12 +19,15 @@ from ts.metrics.dimension import Dimension
 from ts.metrics.metric_type_enum import MetricTypes
 from ts.utils.util import PredictionException
 
+from slm_core import manifest
+from slm_core.serve.deadline import Deadlines
 from slm_core.serve.loader import load_package, mps_running
 from slm_core.serve.protocol import Reply, Request, respond_batch
 from slm_core.serving import ServingSpec
 
 log = logging.getLogger(__name__)
-PHRASES = {200: "OK", 400: "Bad Request", 415: "Unsupported Media Type", 500: "Internal Server Error"}
+PHRASES = {200: "OK", 400: "Bad Request", 415: "Unsupported Media Type", 500: "Internal Server Error",
+           504: "Gateway Timeout"}
 
 
 def workers_share_a_gpu(serving: ServingSpec, host_gpus: int) -> bool:
@@ -58,8 +61,9 @@ def record_metrics(metrics, replies: list[Reply]) -> None:
     """What an operator alerts on, from one batch, on TorchServe's Prometheus endpoint: each graph
     call once, its seconds (SlmGraphCallSeconds) and its requests (SlmRequestsPerCall) as
     histograms; each answered request's texts and tokens (SlmTexts, SlmTokens); each request the
-    handler refused or failed, by its status (SlmRefused, Status "400", "415", "500"). TorchServe's
-    own refusals of a full queue (503) never reach a worker: its Requests5XX counts them."""
+    handler refused or failed, by its status (SlmRefused, Status "400", "415", "500"; "504": a
+    deadline). TorchServe's own refusals of a full queue (503) never reach a worker: its
+    Requests5XX counts them."""
     calls = {}
     for reply in replies:
         if reply.stats is None:
@@ -86,6 +90,7 @@ def requests(data: list[dict], ctx) -> list[Request]:
 class SlmHandler:
     def __init__(self):
         self.engine = None
+        self.deadlines = None
 
     def initialize(self, ctx) -> None:
         # Bodies reach handle() as the bytes the client sent, for slm_core.serve.protocol to parse
@@ -97,8 +102,9 @@ class SlmHandler:
         faulthandler.register(signal.SIGUSR1, all_threads=True)
         serving = ServingSpec.from_model_config(getattr(ctx, "model_yaml_config", None) or {})
         start = time.perf_counter()
-        self.engine = load_package(ctx.system_properties["model_dir"], ctx.system_properties.get("gpu_id"),
-                                   serving.cuda_graphs)
+        model_dir = ctx.system_properties["model_dir"]
+        self.engine = load_package(model_dir, ctx.system_properties.get("gpu_id"), serving.cuda_graphs)
+        self.deadlines = Deadlines.of(serving.deadline_ms, manifest.read(model_dir).get("call_ms") or {})
         replay = self.engine.context.replay
         cuda = self.engine.device.type == "cuda"
         mps = cuda and mps_running()
@@ -124,7 +130,7 @@ class SlmHandler:
         """The replies to a batch, in order, each with its own status."""
         start = time.perf_counter()
         batch = requests(data, ctx)
-        replies = respond_batch(self.engine, batch)
+        replies = respond_batch(self.engine, batch, self.deadlines)
         handler_ms = (time.perf_counter() - start) * 1e3  # parse, tokenize, graph call, encode
         grpc = [through_grpc(request) for request in batch]
         failed = shared_grpc_error(grpc, replies)

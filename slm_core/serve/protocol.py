@@ -9,12 +9,14 @@ it. Nothing here raises.
 import json
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import orjson
 
 from slm_core.errors import InputError, bounded, names
+from slm_core.serve.deadline import Deadlines
 from slm_core.serve.engine import CallStats, Engine
 
 log = logging.getLogger(__name__)
@@ -25,10 +27,12 @@ INT_LIMIT = 10**MAX_DIGITS
 @dataclass(frozen=True)
 class Request:
     """One request as its host hands it over: its parameters (TorchServe: the body under "body",
-    or a form's fields) and its HTTP headers, names in lower case."""
+    or a form's fields), its HTTP headers (names in lower case) and when the host handed it over
+    (time.monotonic())."""
 
     parameters: Mapping[str, Any]
     headers: Mapping[str, str] = field(default_factory=dict)
+    received: float = field(default_factory=time.monotonic)
 
 
 @dataclass(frozen=True)
@@ -126,14 +130,15 @@ def _check_digits(value: Any) -> None:
             stack.extend(x.values())
 
 
-def respond(engine: Engine, request: Request) -> Reply:
-    return respond_batch(engine, [request])[0]
+def respond(engine: Engine, request: Request, deadlines: Deadlines | None = None) -> Reply:
+    return respond_batch(engine, [request], deadlines)[0]
 
 
-def respond_batch(engine: Engine, requests: list[Request]) -> list[Reply]:
+def respond_batch(engine: Engine, requests: list[Request], deadlines: Deadlines | None = None) -> list[Reply]:
     """The replies to a batch, in order. Up to max_batch requests share one graph call; a bad
-    request gets its own 4xx and is left out of the call; a failure of the call itself is a 500
-    for the requests in it, logged."""
+    request gets its own 4xx and is left out of the call, as is one that its call would answer
+    past its deadline (504, slm_core.serve.deadline); a failure of the call itself is a 500 for the
+    requests in it, logged."""
     task = engine.task
     replies: list[Reply | None] = [None] * len(requests)
     values, members = [], []
@@ -147,8 +152,23 @@ def respond_batch(engine: Engine, requests: list[Request]) -> list[Reply]:
             log.exception("request failed")
             replies[i] = error(500, "internal error while running the request")
     for start in range(0, len(values), task.max_batch):
-        _call(engine, values[start : start + task.max_batch], members[start : start + task.max_batch], replies)
+        call = list(zip(values[start : start + task.max_batch], members[start : start + task.max_batch]))
+        if deadlines is not None:
+            call = [(value, i) for value, i in call if not _late(deadlines, requests[i], len(call), replies, i)]
+        if call:
+            _call(engine, [value for value, _ in call], [i for _, i in call], replies)
     return replies
+
+
+def _late(deadlines: Deadlines, request: Request, requests: int, replies: list, i: int) -> bool:
+    """Whether request i is refused for its deadline (or a bad deadline header); its reply is set."""
+    try:
+        refusal = deadlines.refusal(request.headers, request.received, requests)
+    except InputError as e:
+        refusal = e
+    if refusal is not None:
+        replies[i] = error(refusal.status, str(refusal))
+    return refusal is not None
 
 
 def _call(engine: Engine, values: list, members: list[int], replies: list) -> None:

@@ -304,16 +304,38 @@ def test_overload_and_soak_short_versions(server):
 
     url = f"{server.inference}/predictions/tiny_score"
     bodies = [p.body for p in valid_requests("score", 8, random.Random(3), 20)]
-    result = overload(url, server.management, "tiny_score", bodies, capacity=30, seconds=3, settle=2)
+    result = overload(url, server.management, "tiny_score", bodies, capacity=30, seconds=3, settle=2,
+                      deadline_ms=60_000)
     print(f"\noverload, short: {json.dumps(result)}")
     for phase in ("before", "burst", "after"):
         assert result[phase]["other_statuses"] == {}, result[phase]
         assert result[phase]["rss_mib_last"] > 0
+        # a deadline of a minute: nothing refused for it, nothing answered after it
+        assert result[phase]["refused_deadline"] == 0 and result[phase]["answered_after_deadline"] == 0
     assert result["burst"]["offered_per_s"] == pytest.approx(90, rel=0.05)
     assert result["after"]["answered_per_s"] == pytest.approx(result["after"]["offered_per_s"], rel=0.1)
     result = soak(url, server.management, "tiny_score", bodies, capacity=30, seconds=4, window=2)
     assert [w["from_s"] for w in result["windows"]] == [0, 2]
     assert all(w["other_statuses"] == {} and w["answered_per_s"] > 0 for w in result["windows"]), result
+
+
+def test_a_request_past_its_deadline_gets_a_504_through_torchserve(server):
+    """X-Slm-Deadline-Ms from the arrival a proxy stamps (X-Request-Start): a request that arrived
+    1 s ago with a 500 ms deadline gets a 504 naming it, at once; with 60 s it is answered; a
+    deadline that is no number is a 400."""
+    url = f"{server.inference}/predictions/tiny_score"
+    body = b'{"texts": ["search engines"]}'
+    arrived = f"t={time.time() - 1:.3f}"
+    start = time.perf_counter()
+    status, answer = http("POST", url, body, {"Content-Type": "application/json", "X-Request-Start": arrived,
+                                              "X-Slm-Deadline-Ms": "500"})
+    assert status == 504 and "deadline of 500 ms: waited 10" in json.loads(answer)["error"], answer
+    assert time.perf_counter() - start < 5
+    status, _ = http("POST", url, body, {"Content-Type": "application/json", "X-Request-Start": arrived,
+                                         "X-Slm-Deadline-Ms": "60000"})
+    assert status == 200
+    status, answer = http("POST", url, body, {"Content-Type": "application/json", "X-Slm-Deadline-Ms": "soon"})
+    assert status == 400 and "X-Slm-Deadline-Ms must be a positive number" in json.loads(answer)["error"]
 
 
 def test_a_full_queue_refuses_at_once_and_nothing_hangs(server, archives):

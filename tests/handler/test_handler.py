@@ -60,6 +60,23 @@ def test_a_batch_of_good_and_bad_requests_gets_an_answer_each(archives):
     assert ctx.counters[("SlmRefused", "Status=400")] == 3 and ctx.counters[("SlmRefused", "Status=415")] == 1
 
 
+def test_a_request_past_its_deadline_is_refused_before_the_graph(archives):
+    """X-Slm-Deadline-Ms: a request that its call cannot answer in time gets a 504 naming the
+    deadline and is not computed (no X-Slm headers, no texts counted); the others in its batch are
+    answered; the refusal is counted by status."""
+    ctx = MockContext(archives["tiny_score"], ServingSpec("cpu", 1, 3, 30).model_config(),
+                      [{"X-Slm-Deadline-Ms": "0.001"}, {}, {"X-Slm-Deadline-Ms": "60000"}])
+    handler = SlmHandler()
+    handler.initialize(ctx)
+    assert handler.deadlines.default_ms is None and handler.deadlines.call_ms  # a CPU build: the build's timings
+    out = handler.handle([{"body": b'{"texts": ["late"]}'}, {"body": b'{"texts": ["a"]}'},
+                          {"body": b'{"texts": ["b"]}'}], ctx)
+    assert [ctx.status[i][0] for i in range(3)] == [504, 200, 200]
+    assert "deadline of 0.001 ms" in json.loads(out[0])["error"] and "X-Slm-Graph-Ms" not in ctx.headers.get(0, {})
+    assert ctx.headers[1]["X-Slm-Batch"] == "2" and ctx.counters["SlmTexts"] == 2
+    assert ctx.counters[("SlmRefused", "Status=504")] == 1
+
+
 SERVE_WITHOUT_BUILD = """
 import importlib.abc, json, sys
 class Refuse(importlib.abc.MetaPathFinder):

@@ -1,0 +1,86 @@
+"""Deadlines at run time: a request waits only as long as its caller allows, and past that it is
+refused before it reaches the graph (504), never computed late.
+
+A request's deadline is its header X-Slm-Deadline-Ms (milliseconds from its arrival), else the
+archive's (the deadline its queue was sized for; none on a CPU build unless one was given). Its
+arrival is the X-Request-Start header a proxy in front stamps (nginx: `proxy_set_header
+X-Request-Start "t=${msec}"`; seconds, milliseconds or microseconds since the epoch, told apart by
+magnitude), which counts TorchServe's queue too; without one, the moment the worker took it. A
+request is refused when the time it has waited plus the call it would join (the build's timing of
+a call of that many requests at the token bounds) passes its deadline.
+"""
+
+import math
+import time
+from dataclasses import dataclass
+
+from slm_core.errors import InputError, bounded
+
+HEADER = "x-slm-deadline-ms"
+ARRIVAL = "x-request-start"
+MAX_DEADLINE_MS = 3_600_000.0
+STATUS = 504
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    default_ms: float | None  # the archive's deadline, or None: only requests that carry one have one
+    call_ms: tuple[tuple[int, float], ...] = ()  # the build's calls at the token bounds: (requests, ms), ascending
+
+    @classmethod
+    def of(cls, default_ms: float | None, call_ms: dict) -> "Deadlines":
+        """From the serving spec's deadline and the manifest's call timings ({"1": ms, "2": ms, ...})."""
+        return cls(default_ms, tuple(sorted((int(n), float(ms)) for n, ms in call_ms.items())))
+
+    def call(self, requests: int) -> float:
+        """The milliseconds a call of `requests` requests takes at most: the smallest timed call
+        that holds them (the largest timed one past them)."""
+        for n, ms in self.call_ms:
+            if n >= requests:
+                return ms
+        return self.call_ms[-1][1] if self.call_ms else 0.0
+
+    def budget(self, headers) -> float | None:
+        """A request's deadline in milliseconds, or None. InputError for a header that is no
+        positive number of milliseconds within MAX_DEADLINE_MS."""
+        given = headers.get(HEADER)
+        if given is None:
+            return self.default_ms
+        try:
+            value = float(given)
+        except ValueError:
+            value = math.nan
+        if not 0 < value <= MAX_DEADLINE_MS:
+            raise InputError(f"header X-Slm-Deadline-Ms must be a positive number of milliseconds up to "
+                             f"{MAX_DEADLINE_MS:.0f}, got {bounded(str(given), 40)!r}")
+        return value
+
+    def refusal(self, headers, received: float, requests: int) -> InputError | None:
+        """The 504 for a request that cannot be answered within its deadline in a call of
+        `requests` requests, or None. received: time.monotonic() when the worker took it."""
+        budget = self.budget(headers)
+        if budget is None:
+            return None
+        waited = waited_ms(headers, received)
+        call = self.call(requests)
+        if waited + call <= budget:
+            return None
+        return InputError(f"deadline of {budget:g} ms: waited {waited:.1f} ms and a call of {requests} request(s) takes "
+                          f"up to {call:.1f} ms, so it is not computed", bound="deadline_ms", status=STATUS)
+
+
+def waited_ms(headers, received: float) -> float:
+    """Milliseconds since the request's arrival: since its X-Request-Start stamp, if it holds one
+    this host's clock can use, else since the worker took it."""
+    since_taken = (time.monotonic() - received) * 1e3
+    stamp = headers.get(ARRIVAL)
+    if stamp is None:
+        return since_taken
+    try:
+        value = float(stamp.strip().removeprefix("t="))
+    except ValueError:
+        return since_taken
+    if not math.isfinite(value) or value <= 0:
+        return since_taken
+    seconds = value / 1e6 if value > 1e14 else value / 1e3 if value > 1e11 else value
+    return max(since_taken, (time.time() - seconds) * 1e3)

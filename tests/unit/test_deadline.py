@@ -1,0 +1,81 @@
+"""Deadlines at run time (slm_core.serve.deadline): a request past its deadline, or one that the
+call it would join cannot finish in time, gets a 504 and is never computed; the others are."""
+
+import time
+
+import pytest
+import torch
+
+from conftest import smollm2_path
+from slm_core import Engine, InputError
+from slm_core.build.checkpoint import load_checkpoint
+from slm_core.serve.deadline import Deadlines, waited_ms
+from slm_core.serve.protocol import Request, respond_batch
+from slm_core.spec import TaskSpec
+from slm_core.tasks import task_for
+
+TIMED = Deadlines.of(None, {"1": 5.0, "2": 8.0, "4": 13.0})
+
+
+def test_a_call_is_predicted_by_the_smallest_timed_call_that_holds_it():
+    assert [TIMED.call(n) for n in (1, 2, 3, 4, 9)] == [5.0, 8.0, 13.0, 13.0, 13.0]
+    assert Deadlines(None).call(3) == 0.0  # a build without timings predicts nothing
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-5", "nan", "inf", "1e12", ""])
+def test_a_bad_deadline_header_is_a_400_naming_it(value):
+    with pytest.raises(InputError, match="X-Slm-Deadline-Ms must be a positive number") as e:
+        TIMED.budget({"x-slm-deadline-ms": value})
+    assert e.value.status == 400
+
+
+def test_the_archive_deadline_unless_the_request_brings_its_own():
+    assert Deadlines(80.0).budget({}) == 80.0 and Deadlines(None).budget({}) is None
+    assert Deadlines(80.0).budget({"x-slm-deadline-ms": "250"}) == 250.0
+
+
+@pytest.mark.parametrize("scale, prefix", [(1, "t="), (1, ""), (1e3, ""), (1e6, "")])  # seconds, ms, us since the epoch
+def test_arrival_from_a_proxys_request_start_stamp(scale, prefix):
+    stamp = f"{prefix}{(time.time() - 0.5) * scale:.6f}"
+    assert 450 < waited_ms({"x-request-start": stamp}, time.monotonic()) < 5000
+
+
+@pytest.mark.parametrize("stamp", ["soon", "-3", f"{time.time() + 60:.3f}", "nan"])
+def test_an_unusable_stamp_counts_from_when_the_worker_took_the_request(stamp):
+    taken = time.monotonic() - 0.2
+    assert 200 <= waited_ms({"x-request-start": stamp}, taken) < 5000
+
+
+class CountingGraph(torch.nn.Module):
+    """A score graph that counts its calls and the texts it computed."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls, self.texts = 0, 0
+
+    def forward(self, ids, cu):
+        self.calls += 1
+        self.texts += cu.shape[0] - 1
+        return torch.full((cu.shape[0] - 1, 2), 0.5)
+
+
+def test_late_requests_get_a_504_and_are_not_computed():
+    task = task_for(TaskSpec.from_dict(dict(task="score", labels=["Yes", "No"], max_texts=4, max_text_tokens=32,
+                                            max_batch=4)), load_checkpoint(smollm2_path()).tokenizer)
+    graph = CountingGraph()
+    engine = Engine(graph, task, "cpu")
+    deadlines = Deadlines.of(50.0, {"1": 5.0, "4": 20.0})
+    long_ago = f"t={time.time() - 1.0:.3f}"
+    batch = [
+        Request({"body": b'{"texts": ["on time"]}'}),  # the archive's 50 ms: a call of 4 takes 20
+        Request({"body": b'{"texts": ["waited 1 s"]}'}, {"x-request-start": long_ago}),
+        Request({"body": b'{"texts": ["too tight"]}'}, {"x-slm-deadline-ms": "10"}),  # < the call's 20 ms
+        Request({"body": b'{"texts": ["generous"]}'}, {"x-slm-deadline-ms": "5000", "x-request-start": long_ago}),
+        Request({"body": b'{"texts": ["bad header"]}'}, {"x-slm-deadline-ms": "soon"}),
+    ]
+    replies = respond_batch(engine, batch[:4], deadlines) + respond_batch(engine, batch[4:], deadlines)
+    assert [r.status for r in replies] == [200, 504, 504, 200, 400]
+    assert b"deadline of 50 ms: waited 10" in replies[1].body and b"not computed" in replies[1].body
+    assert b"deadline of 10 ms" in replies[2].body and b"takes up to 20.0 ms" in replies[2].body
+    assert graph.calls == 1 and graph.texts == 2  # one call, the two requests that could make it
+    assert replies[0].stats.batch == 2
