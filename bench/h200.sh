@@ -20,7 +20,8 @@
 # Needs: carry [".devbundle", "bench/assets"]; $OUT (the device tool's output folder); $COMMIT.
 # Optional: $VARIANTS, $SLM (below), $SYSTEMS (slm,hf: SYSTEMS=slm leaves the peer out), PROFILE=0, CHECK=0, KERNELS=0,
 # BENCH=0,
-# RELIABILITY=1 (the reliability step after the bench; SOAK=600 adds the soak; RELIABLE and STEPS: below),
+# RELIABILITY=1 (the reliability step after the bench; SOAK=600 adds the soak; DEADLINE=80: every
+# overload request carries that deadline; RELIABLE and STEPS: below),
 # $WORKLOADS (default W3,W2,W1), $BENCH_ARGS (more bench.run options for the pipeline's bench step,
 # e.g. --levels). On nvidia-h200-x2, SLM=...,4:8:g2 spreads 4 workers over 2 GPUs.
 # BASE=DIR: a checkout of the baseline commit (e.g. `git archive SHA ':!bench/results' | tar -x -C .base`,
@@ -118,6 +119,7 @@ reliability)
                         *) task=(--task beam --max-tokens 512) ;; esac
         common=(--archive "$mar" --workers "$workers" "${task[@]}" --workload "$workload" --tokenizer bench/assets/tokenizer.json)
         python3 -m bench.reliability "${STEPS:-fuzz,overload}" "${common[@]}" ${capacity:+--capacity "$capacity"} --seconds 60 \
+            ${DEADLINE:+--deadline-ms "$DEADLINE"} \
             --out "$OUT/reliability_${name}.json" --logs "$OUT/reliability_logs_${name}" > "$OUT/reliability_${name}.log" 2>&1
         [ -n "${SOAK:-}" ] && python3 -m bench.reliability soak "${common[@]}" --seconds "$SOAK" \
             --out "$OUT/reliability_soak_${name}.json" > "$OUT/reliability_soak_${name}.log" 2>&1
