@@ -104,7 +104,7 @@ class SlmHandler:
         start = time.perf_counter()
         model_dir = ctx.system_properties["model_dir"]
         self.engine = load_package(model_dir, ctx.system_properties.get("gpu_id"), serving.cuda_graphs)
-        self.deadlines = Deadlines.of(serving.deadline_ms, manifest.read(model_dir).get("call_ms") or {})
+        self.deadlines = Deadlines(serving.deadline_ms, manifest.read(model_dir).get("call_ms") or {})
         replay = self.engine.context.replay
         cuda = self.engine.device.type == "cuda"
         mps = cuda and mps_running()

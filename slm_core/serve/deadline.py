@@ -12,9 +12,11 @@ a call of that many requests at the token bounds) passes its deadline.
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Mapping
 
 from slm_core.errors import InputError, bounded
+from slm_core.serving import call_time
 
 HEADER = "x-slm-deadline-ms"
 ARRIVAL = "x-request-start"
@@ -25,20 +27,13 @@ STATUS = 504
 @dataclass(frozen=True)
 class Deadlines:
     default_ms: float | None  # the archive's deadline, or None: only requests that carry one have one
-    call_ms: tuple[tuple[int, float], ...] = ()  # the build's calls at the token bounds: (requests, ms), ascending
-
-    @classmethod
-    def of(cls, default_ms: float | None, call_ms: dict) -> "Deadlines":
-        """From the serving spec's deadline and the manifest's call timings ({"1": ms, "2": ms, ...})."""
-        return cls(default_ms, tuple(sorted((int(n), float(ms)) for n, ms in call_ms.items())))
+    # the build's calls at the token bounds, as the manifest holds them: {"1": ms, "2": ms, ...}
+    call_ms: Mapping[str, float] = field(default_factory=dict)
 
     def call(self, requests: int) -> float:
-        """The milliseconds a call of `requests` requests takes at most: the smallest timed call
-        that holds them (the largest timed one past them)."""
-        for n, ms in self.call_ms:
-            if n >= requests:
-                return ms
-        return self.call_ms[-1][1] if self.call_ms else 0.0
+        """The milliseconds a call of `requests` requests takes at most (slm_core.serving.call_time;
+        0 for a build without timings)."""
+        return call_time(self.call_ms, requests) if self.call_ms else 0.0
 
     def budget(self, headers) -> float | None:
         """A request's deadline in milliseconds, or None. InputError for a header that is no

@@ -14,7 +14,7 @@ from slm_core.serve.protocol import Request, respond_batch
 from slm_core.spec import TaskSpec
 from slm_core.tasks import task_for
 
-TIMED = Deadlines.of(None, {"1": 5.0, "2": 8.0, "4": 13.0})
+TIMED = Deadlines(None, {"1": 5.0, "2": 8.0, "4": 13.0})
 
 
 def test_a_call_is_predicted_by_the_smallest_timed_call_that_holds_it():
@@ -64,7 +64,7 @@ def test_late_requests_get_a_504_and_are_not_computed():
                                             max_batch=4)), load_checkpoint(smollm2_path()).tokenizer)
     graph = CountingGraph()
     engine = Engine(graph, task, "cpu")
-    deadlines = Deadlines.of(50.0, {"1": 5.0, "4": 20.0})
+    deadlines = Deadlines(50.0, {"1": 5.0, "4": 20.0})
     long_ago = f"t={time.time() - 1.0:.3f}"
     batch = [
         Request({"body": b'{"texts": ["on time"]}'}),  # the archive's 50 ms: a call of 4 takes 20
