@@ -21,7 +21,8 @@
 # Optional: $VARIANTS, $SLM (below), $SYSTEMS (slm,hf: SYSTEMS=slm leaves the peer out), PROFILE=0, CHECK=0, KERNELS=0,
 # BENCH=0,
 # RELIABILITY=1 (the reliability step after the bench; SOAK=600 adds the soak; DEADLINE=80: every
-# overload request carries that deadline; RELIABLE and STEPS: below),
+# overload request carries that deadline; STEPS=fuzz,overload,kill,gpu-fault adds kill -9 of a worker
+# and a GPU fault beside the workers, each under load for $FAULT_SECONDS (60); RELIABLE and STEPS: below),
 # $WORKLOADS (default W3,W2,W1), $BENCH_ARGS (more bench.run options for the pipeline's bench step,
 # e.g. --levels). On nvidia-h200-x2, SLM=...,4:8:g2 spreads 4 workers over 2 GPUs.
 # BASE=DIR: a checkout of the baseline commit (e.g. `git archive SHA ':!bench/results' | tar -x -C .base`,
@@ -119,7 +120,7 @@ reliability)
                         *) task=(--task beam --max-tokens 512) ;; esac
         common=(--archive "$mar" --workers "$workers" "${task[@]}" --workload "$workload" --tokenizer bench/assets/tokenizer.json)
         python3 -m bench.reliability "${STEPS:-fuzz,overload}" "${common[@]}" ${capacity:+--capacity "$capacity"} --seconds 60 \
-            ${DEADLINE:+--deadline-ms "$DEADLINE"} \
+            ${DEADLINE:+--deadline-ms "$DEADLINE"} ${FAULT_SECONDS:+--fault-seconds "$FAULT_SECONDS"} \
             --out "$OUT/reliability_${name}.json" --logs "$OUT/reliability_logs_${name}" > "$OUT/reliability_${name}.log" 2>&1
         [ -n "${SOAK:-}" ] && python3 -m bench.reliability soak "${common[@]}" --seconds "$SOAK" \
             --out "$OUT/reliability_soak_${name}.json" > "$OUT/reliability_soak_${name}.log" 2>&1
@@ -150,6 +151,7 @@ start)
     COMMIT=$COMMIT SLM=$SLM VARIANTS=$VARIANTS WORKLOADS=$WORKLOADS SYSTEMS=${SYSTEMS:-slm,hf} \
         BENCH_ARGS=${BENCH_ARGS:-} PROFILE=${PROFILE:-1} CHECK=${CHECK:-1} KERNELS=${KERNELS:-1} \
         RELIABILITY=${RELIABILITY:-0} BENCH=${BENCH:-1} SOAK=${SOAK:-} RELIABLE=${RELIABLE:-} STEPS=${STEPS:-} \
+        FAULT_SECONDS=${FAULT_SECONDS:-} DEADLINE=${DEADLINE:-} \
         MPS=${MPS:-1} NOMPS_SLM=${NOMPS_SLM:-} CATALOG=${CATALOG:-0} \
         setsid nohup bash "$WORK/pipeline.sh" all > "$WORK/pipeline.log" 2>&1 < /dev/null &
     sleep 5

@@ -26,7 +26,10 @@ overload offers 0.8x capacity for 10 s, factor (3) x capacity for --seconds, the
 (with --deadline-ms, each request carrying that deadline: refusals are counted for a full queue
 and for the deadline, and the answers that came after it);
 soak offers 0.8x capacity for --seconds and reports each window. Both sample the workers' host
-memory (and GPU memory where nvidia-smi runs) every second. Without --capacity, it is measured
+memory (and GPU memory where nvidia-smi runs) every second.
+kill and gpu-fault offer 0.8x capacity for --fault-seconds and, 5 s in, kill -9 one worker or run
+bench.gpu_fault beside the workers (an illegal memory access on the GPU): the requests lost, and
+when a new worker answers. Without --capacity, it is measured
 first (bench.loadgen sweep: the highest closed-loop QPS within the SLO).
 
 tests/e2e/test_serving.py runs the bad-input part against the CPU test archives in CI.
@@ -41,8 +44,11 @@ import math
 import random
 import re
 import shutil
+import os
+import signal
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -289,16 +295,20 @@ def run(url: str, management: str, model: str, bad: list[Probe], valid: list[Pro
             "tolerance": tolerance._asdict(), "failures": failures}
 
 
+Record = tuple[float, float, int, str]  # sent (s from the start), latency ms, status, answering worker
+
+
 def open_loop(url: str, bodies: list[bytes], rate: float, seconds: float, timeout: float = 30.0,
-              deadline_ms: float | None = None) -> list[tuple[float, float, int]]:
+              deadline_ms: float | None = None) -> list[Record]:
     """Requests at `rate` per second for `seconds`, each sent on schedule whatever the others are
     doing (open loop; no client-side limit on connections). Per request: (sent, seconds from the
-    start; latency ms; status, 0 for a timeout or a broken connection). With deadline_ms, each
-    carries it (X-Slm-Deadline-Ms) and its send time as a proxy stamps it (X-Request-Start)."""
+    start; latency ms; status, 0 for a timeout or a broken connection; the worker that answered, as
+    the handler names it in X-Slm-Worker, "" where none did). With deadline_ms, each carries it
+    (X-Slm-Deadline-Ms) and its send time as a proxy stamps it (X-Request-Start)."""
     import aiohttp
 
     async def go():
-        out: list[tuple[float, float, int]] = []
+        out: list[Record] = []
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout)) as session:
             async def one(i: int, at: float):
@@ -306,13 +316,14 @@ def open_loop(url: str, bodies: list[bytes], rate: float, seconds: float, timeou
                 headers = {"Content-Type": JSON}
                 if deadline_ms is not None:
                     headers.update({"X-Slm-Deadline-Ms": f"{deadline_ms:g}", "X-Request-Start": f"t={time.time():.6f}"})
+                worker = ""
                 try:
                     async with session.post(url, data=bodies[i % len(bodies)], headers=headers) as r:
                         await r.read()
-                        status = r.status
+                        status, worker = r.status, r.headers.get("X-Slm-Worker", "")
                 except (aiohttp.ClientError, asyncio.TimeoutError):
                     status = 0
-                out.append((at, (time.perf_counter() - sent) * 1e3, status))
+                out.append((at, (time.perf_counter() - sent) * 1e3, status, worker))
 
             start, tasks, i = time.perf_counter(), [], 0
             while (at := i / rate) < seconds:
@@ -378,11 +389,11 @@ def _gpu_mib(pids: list[str]) -> float | None:
                if p.strip() in pids)
 
 
-def summary(records: list[tuple[float, float, int]], seconds: float, deadline_ms: float | None = None) -> dict:
+def summary(records: list[Record], seconds: float, deadline_ms: float | None = None) -> dict:
     """Offered and answered rates, admitted (200) latency, refused (429/503: a full queue; 504:
     a deadline) latency, the rest; with deadline_ms, the answers that came after it."""
-    ok = sorted(ms for _, ms, s in records if s == 200)
-    refused = sorted(ms for _, ms, s in records if s in (429, 503, 504))
+    ok = sorted(ms for _, ms, s, _ in records if s == 200)
+    refused = sorted(ms for _, ms, s, _ in records if s in (429, 503, 504))
 
     def pct(values, q):
         return percentile(values, q) if values else None
@@ -391,10 +402,10 @@ def summary(records: list[tuple[float, float, int]], seconds: float, deadline_ms
             "admitted_mean_ms": statistics.fmean(ok) if ok else None, "admitted_p50_ms": pct(ok, 50),
             "admitted_p99_ms": pct(ok, 99), "refused": len(refused), "refused_p50_ms": pct(refused, 50),
             "refused_p99_ms": pct(refused, 99), "refused_max_ms": refused[-1] if refused else None,
-            "refused_queue_full": sum(s in (429, 503) for _, _, s in records),
-            "refused_deadline": sum(s == 504 for _, _, s in records),
+            "refused_queue_full": sum(s in (429, 503) for _, _, s, _ in records),
+            "refused_deadline": sum(s == 504 for _, _, s, _ in records),
             **({"answered_after_deadline": sum(ms > deadline_ms for ms in ok)} if deadline_ms is not None else {}),
-            "other_statuses": dict(Counter(str(s) for _, _, s in records if s not in (200, 429, 503, 504)))}
+            "other_statuses": dict(Counter(str(s) for _, _, s, _ in records if s not in (200, 429, 503, 504)))}
 
 
 def overload(url: str, management: str, model: str, bodies: list[bytes], capacity: float, seconds: float,
@@ -425,6 +436,66 @@ def soak(url: str, management: str, model: str, bodies: list[bytes], capacity: f
     return {"capacity": capacity, "rate": 0.8 * capacity, "seconds": seconds, "windows": windows}
 
 
+def fault(url: str, management: str, model: str, bodies: list[bytes], capacity: float, inject, seconds: float,
+          lead: float = 5.0) -> dict:
+    """0.8x capacity for `seconds`; `lead` s in, inject() (a thread: kill a worker, or fault the GPU
+    beside the workers) returns what it did. Counts what failed, split into the requests sent
+    before the fault (in flight at it) and after it; when the first request answered by a new
+    worker came back and when the last failure did (s from the fault); statuses and P99 per
+    second; the workers before and after."""
+    before = worker_pids(management, model)
+    report: dict = {}
+    timer = threading.Timer(lead, lambda: report.update(inject(before)))
+    t0 = time.time()
+    timer.start()
+    records = open_loop(url, bodies, 0.8 * capacity, seconds)
+    timer.join()
+    at = report.pop("at") - t0  # the fault, in the open loop's seconds
+    failed = [(sent - at, ms, status) for sent, ms, status, _ in records if status != 200]
+    new = [sent + ms / 1e3 - at for sent, ms, status, worker in records
+           if status == 200 and worker and worker not in before and sent >= at]
+    seconds_per = range(int(seconds))
+    return {"capacity": capacity, "rate": 0.8 * capacity, "seconds": seconds, "fault_at_s": at, **report,
+            "workers_before": before, "workers_after": worker_pids(management, model),
+            "requests": len(records), "failed": len(failed),
+            "failed_in_flight": sum(t < 0 for t, _, _ in failed), "failed_after": sum(t >= 0 for t, _, _ in failed),
+            "failed_statuses": dict(Counter(str(s) for _, _, s in failed)),
+            "last_failure_answered_s": max((t + ms / 1e3 for t, ms, _ in failed), default=None),
+            "first_answer_by_a_new_worker_s": min(new, default=None),
+            "statuses_per_second": [dict(Counter(str(s) for sent, _, s, _ in records if k <= sent < k + 1))
+                                    for k in seconds_per],
+            "p99_ms_per_second": [summary([r for r in records if k <= r[0] < k + 1], 1)["admitted_p99_ms"]
+                                  for k in seconds_per]}
+
+
+def kill_worker(workers: list[str]) -> dict:
+    """kill -9 of the first worker."""
+    at = time.time()
+    os.kill(int(workers[0]), signal.SIGKILL)
+    return {"at": at, "killed": workers[0]}
+
+
+def gpu_fault(workers: list[str]) -> dict:
+    """A process beside the workers that makes an illegal memory access on the GPU
+    (bench.gpu_fault), with the MPS server's processes before and after it."""
+    servers = _mps_servers()
+    run = subprocess.run([sys.executable, "-m", "bench.gpu_fault"], capture_output=True, text=True, timeout=120)
+    said = (run.stdout + run.stderr).strip()
+    launched = re.search(r"launched at ([0-9.]+)", said)  # the bad kernel's launch, by this host's clock
+    time.sleep(1.0)
+    return {"at": float(launched.group(1)) if launched else time.time(), "fault_exit": run.returncode,
+            "fault_said": said[-600:], "mps_servers_before": servers, "mps_servers_after": _mps_servers()}
+
+
+def _mps_servers() -> list[str]:
+    """The pids of NVIDIA MPS servers running on this host."""
+    out = subprocess.run(["pgrep", "-f", "nvidia-cuda-mps-server"], capture_output=True, text=True).stdout
+    return sorted(out.split())
+
+
+FAULTS = {"kill": kill_worker, "gpu-fault": gpu_fault}
+
+
 def measured_capacity(url: str, bodies: list[bytes]) -> float:
     from bench.loadgen import sweep
 
@@ -434,7 +505,8 @@ def measured_capacity(url: str, bodies: list[bytes]) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("steps", help="fuzz, overload or soak; several comma-separated run one after the other")
+    p.add_argument("steps", help="fuzz, overload, soak, kill or gpu-fault; several comma-separated run one after "
+                   "the other")
     p.add_argument("--url", help="the model's predictions URL (a running TorchServe)")
     p.add_argument("--management", help="TorchServe's management address")
     p.add_argument("--model")
@@ -453,11 +525,13 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=60.0)
     p.add_argument("--deadline-ms", type=float, help="overload: every request carries this deadline (X-Slm-Deadline-Ms, "
                    "its send time as X-Request-Start); the result counts refusals by reason and answers after it")
+    p.add_argument("--fault-seconds", type=float, default=60.0, help="kill, gpu-fault: the load's seconds (the "
+                   "fault 5 s in)")
     p.add_argument("--out", type=Path, help="also write the JSON result here")
     args = p.parse_args()
     steps = args.steps.split(",")
-    if not steps or not set(steps) <= {"fuzz", "overload", "soak"}:
-        p.error(f"steps {args.steps!r}: each one of fuzz, overload, soak")
+    if not steps or not set(steps) <= {"fuzz", "overload", "soak", *FAULTS}:
+        p.error(f"steps {args.steps!r}: each one of fuzz, overload, soak, {', '.join(FAULTS)}")
     if args.workload and not args.tokenizer:
         p.error("--workload needs --tokenizer")
     server, results, tolerance = None, {}, Tolerance()
@@ -500,8 +574,13 @@ def main() -> None:
             if name == "overload":
                 results[name] = overload(args.url, args.management, args.model, bodies, capacity, args.seconds,
                                          deadline_ms=args.deadline_ms)
+            elif name in FAULTS:
+                results[name] = fault(args.url, args.management, args.model, bodies, capacity, FAULTS[name],
+                                      args.fault_seconds)
             else:
                 results[name] = soak(args.url, args.management, args.model, bodies, capacity, args.seconds)
+            if args.out:  # after every step: a run cut short keeps the steps it finished
+                args.out.write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
     finally:
         if server:
             server.stop()

@@ -20,12 +20,14 @@ from ts.metrics.metric_type_enum import MetricTypes
 from ts.utils.util import PredictionException
 
 from slm_core import manifest
+from slm_core.errors import DeviceLost
 from slm_core.serve.deadline import Deadlines
 from slm_core.serve.loader import load_package, mps_running
 from slm_core.serve.protocol import Reply, Request, respond_batch
 from slm_core.serving import ServingSpec
 
 log = logging.getLogger(__name__)
+EXIT_DEVICE_LOST = 75  # the worker's exit status when its GPU context is lost (EX_TEMPFAIL)
 PHRASES = {200: "OK", 400: "Bad Request", 415: "Unsupported Media Type", 500: "Internal Server Error",
            504: "Gateway Timeout"}
 
@@ -130,7 +132,15 @@ class SlmHandler:
         """The replies to a batch, in order, each with its own status."""
         start = time.perf_counter()
         batch = requests(data, ctx)
-        replies = respond_batch(self.engine, batch, self.deadlines)
+        try:
+            replies = respond_batch(self.engine, batch, self.deadlines)
+        except DeviceLost:
+            # Every later call would fail too, and under MPS the GPU takes no new client until this
+            # process is gone: exit, so that TorchServe starts a worker with a fresh context. The
+            # batch in hand gets TorchServe's 500 (worker died), as it would get the handler's.
+            log.critical("the GPU context is lost: exiting for a new worker", exc_info=True)
+            logging.shutdown()
+            os._exit(EXIT_DEVICE_LOST)
         handler_ms = (time.perf_counter() - start) * 1e3  # parse, tokenize, graph call, encode
         grpc = [through_grpc(request) for request in batch]
         failed = shared_grpc_error(grpc, replies)

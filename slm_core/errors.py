@@ -1,4 +1,5 @@
-"""Typed errors. SpecError: a build-time problem (spec, checkpoint). InputError: a bad request."""
+"""Typed errors. SpecError: a build-time problem (spec, checkpoint). InputError: a bad request.
+DeviceLost: a device this process can no longer use."""
 
 import json
 
@@ -20,6 +21,13 @@ class InputError(ValueError):
         self.bound = bound
         self.limit = limit
         self.status = status
+
+
+class DeviceLost(RuntimeError):
+    """The device's context is unusable: a sticky CUDA error (an illegal address, or under NVIDIA
+    MPS a fatal fault of any client on the same GPU) fails every later call in this process. Only a
+    new process can use the GPU again, and under MPS the GPU serves no new client until every
+    process the fault reached has exited."""
 
 
 def json_type(value: object) -> str:

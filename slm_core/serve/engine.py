@@ -112,6 +112,17 @@ class Engine:
                        CallStats(s.count, s.tokens, graph_ms, len(members), call))
                 for s, value in zip(spans, values)]
 
+    def usable(self) -> bool:
+        """Whether the device still runs work: after a failed call, tells a failure of that call
+        (a bug, an out-of-memory) from a context that fails every call from now on (DeviceLost)."""
+        if self.device.type != "cuda":
+            return True
+        try:
+            torch.cuda.synchronize(self.device)
+            return torch.ones(1, device=self.device).add_(1).item() == 2.0
+        except RuntimeError:  # torch.AcceleratorError is one
+            return False
+
     def synthetic_call(self, sequences: int, tokens: int) -> float:
         """A call of `sequences` sequences of about equal length holding `tokens` token ids 1, as
         the build times calls at the task's bounds; returns its milliseconds."""

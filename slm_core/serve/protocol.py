@@ -3,7 +3,8 @@
 A request body is one JSON object with the task's field (Task.request); the answer is the task's
 (Task.body). A bad request gets 400 {"error": "..."} naming the problem in JSON's terms and the
 bound it breaks (415 for an encoded body); a failure of the graph call 500 for the requests in
-it. Nothing here raises.
+it. Nothing here raises, except DeviceLost: a device that fails every call from now on, which
+only a new process can use again.
 """
 
 import json
@@ -15,7 +16,7 @@ from typing import Any, Mapping
 
 import orjson
 
-from slm_core.errors import InputError, bounded, names
+from slm_core.errors import DeviceLost, InputError, bounded, names
 from slm_core.serve.deadline import Deadlines
 from slm_core.serve.engine import CallStats, Engine
 
@@ -138,7 +139,7 @@ def respond_batch(engine: Engine, requests: list[Request], deadlines: Deadlines 
     """The replies to a batch, in order. Up to max_batch requests share one graph call; a bad
     request gets its own 4xx and is left out of the call, as is one that its call would answer
     past its deadline (504, slm_core.serve.deadline); a failure of the call itself is a 500 for the
-    requests in it, logged."""
+    requests in it, logged, or DeviceLost raised when the device fails every call after it."""
     task = engine.task
     replies: list[Reply | None] = [None] * len(requests)
     values, members = [], []
@@ -175,7 +176,9 @@ def _call(engine: Engine, values: list, members: list[int], replies: list) -> No
     """One graph call for up to max_batch requests; their replies go to replies[members]."""
     try:
         results = engine.run(values)
-    except Exception:  # a bug or a device fault: these requests fail, the worker lives on
+    except Exception as e:  # a bug or a device fault: these requests fail, the worker lives on
+        if not engine.usable():  # unless the device is gone for this process
+            raise DeviceLost(f"{engine.device} fails every call after: {bounded(str(e))}") from e
         log.exception("graph call failed")
         for i in members:
             replies[i] = error(500, "internal error while running the request")

@@ -320,6 +320,37 @@ def test_overload_and_soak_short_versions(server):
     assert all(w["other_statuses"] == {} and w["answered_per_s"] > 0 for w in result["windows"]), result
 
 
+def test_the_kill_step_records_what_a_killed_worker_loses(server, archives):
+    """bench.reliability's kill step: kill -9 of one of two workers under an open-loop load. The
+    other worker answers on, every second; what fails is the killed worker's call (TorchServe's 507,
+    worker died) and fast refusals of a full queue while the survivor serves alone (on 2 cores
+    beside the new worker's load); nothing hangs; a new worker answers, and the model has two
+    workers again, the killed one not among them."""
+    import random
+
+    from archiver.build import configure
+    from bench.reliability import fault, kill_worker, valid_requests
+    from slm_core.serving import ServingOptions
+
+    configure(archives["store"] / "tiny_score.mar", archives["store"], ServingOptions(workers=2), "tiny_kill2")
+    server.register("tiny_kill2.mar", workers=2)
+    try:
+        url = f"{server.inference}/predictions/tiny_kill2"
+        bodies = [p.body for p in valid_requests("score", 8, random.Random(4), 20)]
+        result = fault(url, server.management, "tiny_kill2", bodies, capacity=10, inject=kill_worker, seconds=30,
+                       lead=3)
+    finally:
+        http("DELETE", f"{server.management}/models/tiny_kill2")
+    print(f"\nkill step, short: {json.dumps(result)}")
+    assert result["killed"] in result["workers_before"] and len(result["workers_before"]) == 2
+    assert len(result["workers_after"]) == 2 and result["killed"] not in result["workers_after"]
+    assert result["requests"] == pytest.approx(8 * 30, rel=0.05)
+    assert set(result["failed_statuses"]) <= {"503", "507"}, result  # no dropped connection, no timeout
+    assert result["failed_statuses"].get("507", 0) == result["failed_in_flight"] <= 3  # its call of up to 3
+    assert all(second.get("200", 0) > 0 for second in result["statuses_per_second"]), result["statuses_per_second"]
+    assert result["first_answer_by_a_new_worker_s"] is not None
+
+
 def test_a_request_past_its_deadline_gets_a_504_through_torchserve(server):
     """X-Slm-Deadline-Ms from the arrival a proxy stamps (X-Request-Start): a request that arrived
     1 s ago with a 500 ms deadline gets a 504 naming it, at once; with 60 s it is answered; a

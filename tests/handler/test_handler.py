@@ -60,6 +60,31 @@ def test_a_batch_of_good_and_bad_requests_gets_an_answer_each(archives):
     assert ctx.counters[("SlmRefused", "Status=400")] == 3 and ctx.counters[("SlmRefused", "Status=415")] == 1
 
 
+def test_a_worker_whose_gpu_context_is_lost_exits_for_a_new_one(archives, monkeypatch):
+    """A sticky device error fails every later call: the worker exits (TorchServe starts another,
+    with a fresh context) instead of answering 500 from then on."""
+    import handlers.slm_handler as slm_handler
+
+    rest = [{"Content-Length": "20"}]  # a REST request's headers (one without any came through gRPC)
+    ctx = MockContext(archives["tiny_score"], ServingSpec("cpu", 1, 3, 30).model_config(), rest)
+    handler = SlmHandler()
+    handler.initialize(ctx)
+
+    def fail(*inputs):
+        raise RuntimeError("CUDA error: unspecified launch failure")
+
+    exits = []
+    monkeypatch.setattr(handler.engine, "graph", fail)
+    monkeypatch.setattr(handler.engine.context, "replay", None)
+    monkeypatch.setattr(slm_handler.os, "_exit", lambda status: exits.append(status) or sys.exit(status))
+    out = handler.handle([{"body": b'{"texts": ["a"]}'}], ctx)  # the device still works: a 500, served on
+    assert ctx.status[0][0] == 500 and b"internal error" in out[0] and not exits
+    monkeypatch.setattr(handler.engine, "usable", lambda: False)
+    with pytest.raises(SystemExit):
+        handler.handle([{"body": b'{"texts": ["a"]}'}], ctx)
+    assert exits == [slm_handler.EXIT_DEVICE_LOST]
+
+
 def test_a_request_past_its_deadline_is_refused_before_the_graph(archives):
     """X-Slm-Deadline-Ms: a request that its call cannot answer in time gets a 504 naming the
     deadline and is not computed (no X-Slm headers, no texts counted); the others in its batch are

@@ -122,6 +122,36 @@ def test_a_non_finite_output_is_a_500_for_its_request_only():
     assert [r.status for r in replies] == [500, 400] and b"non-finite" in replies[0].body
 
 
+@pytest.mark.parametrize("device_usable", [True, False])
+def test_a_failed_call_is_a_500_unless_the_device_is_lost(device_usable):
+    """A graph call that raises fails the requests in it with a 500 and the engine serves on; when
+    the device no longer runs work after it (a sticky CUDA error), respond_batch raises DeviceLost
+    instead, for the host to replace the process."""
+    import torch
+
+    from slm_core.errors import DeviceLost
+    from slm_core.serve.protocol import Request, respond_batch
+    from slm_core.spec import TaskSpec
+    from slm_core.tasks import task_for
+
+    class FaultyGraph(torch.nn.Module):
+        def forward(self, ids, cu):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    task = task_for(TaskSpec.from_dict(dict(task="score", labels=["Yes", "No"], max_texts=4, max_text_tokens=32,
+                                            max_batch=2)), load_checkpoint(smollm2_path()).tokenizer)
+    engine = Engine(FaultyGraph(), task, "cpu")
+    assert engine.usable()  # a CPU engine always is
+    engine.usable = lambda: device_usable
+    batch = [Request({"body": b'{"texts": ["a"]}'}), Request({"body": b'{"texts": ["b", "c"]}'})]
+    if device_usable:
+        replies = respond_batch(engine, batch)
+        assert [r.status for r in replies] == [500, 500] and b"internal error" in replies[0].body
+    else:
+        with pytest.raises(DeviceLost, match="fails every call after: CUDA error: an illegal memory access"):
+            respond_batch(engine, batch)
+
+
 def test_reply_encoding_is_compact_json_and_refuses_what_json_cannot_carry():
     """The replies' encoder: compact UTF-8 JSON that the standard library reads back as the same
     value, the same bytes every time; null where the answer holds None, but a ValueError for a
