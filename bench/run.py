@@ -36,6 +36,7 @@ from slm_core.serve.loader import mps_running
 from slm_core.serving import ServingOptions, ServingSpec
 from slm_core.spec import ModelSpec, TaskSpec
 from slm_core.tasks import Task, task_for
+from slm_core.tasks.embedding import cosine_distance
 
 BENCH = Path(__file__).resolve().parent
 OPTION_PRECISION = {"fp8static": "fp8-static"}  # --slm options
@@ -432,8 +433,9 @@ def served_settings(mar: Path, d: Deployment) -> dict:
 
 def served_check(server: TorchServe, workload: str, bodies: list[dict], deployments: list[Deployment]) -> dict:
     """Send the same requests to every deployment of a workload and compare each answer with the HF
-    peer's (or the first deployment's): score, the largest label-probability difference; beam, the
-    share of candidate token sequences in common and whether the best candidate is the same."""
+    peer's (or the first deployment's): score, the largest label-probability difference (an
+    embedding's largest cosine distance); beam, the share of candidate token sequences in common
+    and whether the best candidate is the same."""
     import urllib.request
 
     def ask(d: Deployment, body: dict) -> dict:
@@ -460,6 +462,9 @@ def served_check(server: TorchServe, workload: str, bodies: list[dict], deployme
             got, result[d.name] = None, {"error": str(e)}
         if got is None:
             pass
+        elif "embeddings" in want[0]:
+            result[d.name] = {"max_cosine_distance": max(cosine_distance(ra, rb) for a, b in zip(want, got) for ra, rb
+                                                         in zip(a["embeddings"], b["embeddings"]))}
         elif "scores" in want[0]:
             result[d.name] = {"max_abs_dp": max(abs(p - q) for a, b in zip(want, got) for ra, rb in
                                                 zip(a["scores"], b["scores"]) for p, q in zip(ra, rb))}

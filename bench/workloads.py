@@ -1,4 +1,4 @@
-"""Workloads W1-W4: architectures (random weights), catalogs and request generators.
+"""Workloads W1-W4 (W1c, W1e: W1 with a classifier head, with embeddings; W4c): architectures (random weights), catalogs and request generators.
 
 Requests are real-looking text: words drawn Zipf-like from the tokenizer's own whole-word tokens,
 so that each text's token count under that tokenizer is exactly the length drawn from the
@@ -37,6 +37,8 @@ class Workload:
 
 SCORE_TASK = dict(task="score", labels=["Yes", "No"], max_texts=16, max_text_tokens=160, precision="bf16")
 CLASSIFIER_TASK = dict(task="score", head="classifier", max_texts=16, max_text_tokens=160, precision="bf16")
+# W1e: W1's texts answered with their embeddings (head: embedding): W1's prefill, no LM head row
+EMBEDDING_TASK = dict(task="score", head="embedding", max_texts=16, max_text_tokens=160, precision="bf16")
 BEAM_TASK = dict(task="beam", beam_width=100, new_tokens=5, max_prompt_tokens=512, stop=["<|im_end|>"],
                  precision="bf16")
 # W4, generative retrieval: W2's model and prompts, W = 100, N = 4, constrained to a catalog of
@@ -48,6 +50,7 @@ SEMANTIC_ID_BASE = 40_000  # level d's token ids: SEMANTIC_ID_BASE + 256 d + [0,
 WORKLOADS = {
     "W1": Workload("W1", "score_qwen3", QWEN3_06B, SCORE_TASK, texts=15, lengths=(64, 160)),
     "W1c": Workload("W1c", "cls_qwen3", QWEN3_06B_CLS, CLASSIFIER_TASK, texts=15, lengths=(64, 160)),
+    "W1e": Workload("W1e", "embed_qwen3", QWEN3_06B, EMBEDDING_TASK, texts=15, lengths=(64, 160)),
     "W2": Workload("W2", "beam_qwen25", QWEN25_05B, BEAM_TASK, texts=0, lengths=(48, 128)),
     "W3": Workload("W3", "beam_qwen25", QWEN25_05B, BEAM_TASK, texts=0, lengths=(384, 512)),
     "W4": Workload("W4", "retrieve_qwen25", QWEN25_05B, RETRIEVE_TASK, texts=0, lengths=(48, 128)),

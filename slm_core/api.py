@@ -2,6 +2,7 @@
 
     eng = Engine.from_checkpoint("ckpt-dir-or.gguf", task="task.yaml", device="cpu")
     eng.score(["text a", "text b"])  # [[p_label0, p_label1, ...], ...]
+    eng.embed(["text a", "text b"])  # [[x0, x1, ...], ...]: a head: embedding task
     eng.beam("a prompt")             # [{"text", "token_ids", "score"}, ...] best first
     eng.beam("a prompt", beam_width=10, top=3, exclude=["sku-1"])   # a request's settings; catalog
                                      # tasks answer each candidate's item "id" too
@@ -24,6 +25,12 @@ class Engine(engine.Engine):
     def score(self, texts: list[str]) -> list[list[float]]:
         """One row per text over the task's labels, in their order (probabilities, or logits)."""
         self._check("score")
+        return self.run_one(texts)
+
+    def embed(self, texts: list[str]) -> list[list[float]]:
+        """One embedding per text, in order: its last token's hidden state after the final norm,
+        FP32, cut to the task's dims and L2-normalised if the task says so."""
+        self._check("embed")
         return self.run_one(texts)
 
     def beam(self, prompt: str, **settings: Any) -> list[dict[str, Any]]:

@@ -143,10 +143,18 @@ class TaskSpec:
     precision: str = "bf16"
     max_batch: int | None = None  # requests in one graph call at most; None: the kind's default for the device
     # score tasks: where a text's row comes from, at its last token: "labels", the LM head's rows
-    # of the label tokens; "classifier", the checkpoint's sequence-classification head. output:
-    # "probs" (softmax over the row) or "logits" (the row itself).
+    # of the label tokens; "classifier", the checkpoint's sequence-classification head;
+    # "embedding", the hidden state itself. output: "probs" (softmax over the row) or "logits"
+    # (the row itself).
     head: str = "labels"
     output: str = "probs"
+    # head: embedding: the first `dims` dimensions of the hidden state (None: all of them;
+    # Matryoshka-style truncation), then L2-normalised if `normalize`.
+    dims: int | None = None
+    normalize: bool = False
+    # head: mlp: a safetensors file (relative to the task YAML) holding an MLP over that embedding
+    # (slm_core.build.mlp_head says its layout); its output row per text, as a classifier's.
+    mlp: str | None = None
     # Special tokens spelled in a request's text are tokenized as plain text unless this is true
     # (slm_core.tokenizer): only the template's own are matched.
     allow_special_tokens: bool = False
@@ -179,10 +187,16 @@ class TaskSpec:
             items = getattr(self, name)
             if not all(isinstance(s, str) and s for s in items):
                 raise SpecError(f"task key {name!r} must be a list of non-empty strings, got {list(items)!r}")
-        if self.catalog is not None and (not isinstance(self.catalog, str) or not self.catalog):
-            raise SpecError(f"task key 'catalog' must be a file path, got {self.catalog!r}")
+        for name in ("catalog", "mlp"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise SpecError(f"task key {name!r} must be a file path, got {value!r}")
         if self.catalog_scores not in ("vocab", "catalog"):
             raise SpecError(f"task key 'catalog_scores' must be 'vocab' or 'catalog', got {self.catalog_scores!r}")
+        if self.dims is not None and (type(self.dims) is not int or self.dims < 1):
+            raise SpecError(f"task key 'dims' must be a positive integer, got {self.dims!r}")
+        if type(self.normalize) is not bool:
+            raise SpecError(f"task key 'normalize' must be true or false, got {self.normalize!r}")
         if type(self.allow_special_tokens) is not bool:
             raise SpecError(f"task key 'allow_special_tokens' must be true or false, got {self.allow_special_tokens!r}")
 
@@ -211,10 +225,10 @@ class TaskSpec:
             return cls.from_dict(yaml.safe_load(f) or {}).located(Path(source).parent)
 
     def located(self, root: "str | Path") -> "TaskSpec":
-        """The spec with its file keys (catalog) taken relative to `root` (a YAML's folder, a package)."""
-        if self.catalog is None:
-            return self
-        return dataclasses.replace(self, catalog=str(Path(root) / self.catalog))
+        """The spec with its file keys (catalog, mlp) taken relative to `root` (a YAML's folder, a
+        package)."""
+        files = {name: str(Path(root) / value) for name in ("catalog", "mlp") if (value := getattr(self, name))}
+        return dataclasses.replace(self, **files) if files else self
 
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}

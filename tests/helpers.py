@@ -102,6 +102,32 @@ def hf_rows(model, engine: Engine, texts: list[str]) -> torch.Tensor:
                           for t in texts])
 
 
+# --- embedding and MLP heads (head: embedding, head: mlp) ----------------------------------------
+@torch.no_grad()
+def hf_embeddings(model, ids_per_text: list[list[int]]) -> torch.Tensor:
+    """Each text alone: transformers' last hidden state (after the final norm) at its last token."""
+    return torch.stack([model.model(torch.tensor([ids])).last_hidden_state[0, -1].float() for ids in ids_per_text])
+
+
+def write_mlp(path, widths: list[int], activation: str | None = "gelu", labels: list[str] | None = None,
+              bias: bool = True, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """A random MLP of widths[0] inputs -> ... -> widths[-1] outputs; returns its layers."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    layers, tensors = [], {}
+    for i, (n_in, n_out) in enumerate(zip(widths, widths[1:])):
+        w = torch.randn(n_out, n_in, generator=g) * (2.0 / n_in) ** 0.5
+        b = torch.randn(n_out, generator=g) * 0.1 if bias else None
+        tensors[f"layers.{i}.weight"] = w
+        if b is not None:
+            tensors[f"layers.{i}.bias"] = b
+        layers.append((w, b))
+    meta = {**({"activation": activation} if activation else {}), **({"labels": json.dumps(labels)} if labels else {})}
+    save_file(tensors, str(path), metadata=meta or None)
+    return layers
+
+
 # --- catalog-constrained beams (generative retrieval) ---------------------------------------------
 class ItemTrie:
     """A reference trie of item token lists, built here without slm_core.catalog: what

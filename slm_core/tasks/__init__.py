@@ -12,11 +12,14 @@ from slm_core.tasks.base import Difference, Task
 from slm_core.tasks.beam import BeamTask
 from slm_core.tasks.catalog import CatalogTask
 from slm_core.tasks.classifier import ClassifierTask
+from slm_core.tasks.embedding import EmbeddingTask
 from slm_core.tasks.labels import LabelsTask
+from slm_core.tasks.mlp import MlpTask
 
-KINDS: tuple[type[Task], ...] = (LabelsTask, ClassifierTask, BeamTask, CatalogTask)
+KINDS: tuple[type[Task], ...] = (LabelsTask, ClassifierTask, EmbeddingTask, MlpTask, BeamTask, CatalogTask)
 
-__all__ = ["KINDS", "BeamTask", "CatalogTask", "ClassifierTask", "Difference", "LabelsTask", "Task", "task_class", "task_for"]
+__all__ = ["KINDS", "BeamTask", "CatalogTask", "ClassifierTask", "Difference", "EmbeddingTask", "LabelsTask", "MlpTask", "Task",
+           "task_class", "task_for"]
 
 
 def task_class(spec: TaskSpec) -> type[Task]:

@@ -61,8 +61,9 @@ class BeamTask(Task):
 
     def __init__(self, spec, tokenizer):
         super().__init__(spec, tokenizer)
-        if (spec.head, spec.output) != ("labels", "probs") or spec.labels:
-            raise SpecError("task keys 'labels', 'head' and 'output' are for score tasks")
+        if (spec.head, spec.output, spec.dims, spec.normalize, spec.mlp) != ("labels", "probs", None, False, None) \
+                or spec.labels:
+            raise SpecError("task keys 'labels', 'head', 'output', 'dims', 'normalize' and 'mlp' are for score tasks")
         self.stop_ids = list(dict.fromkeys(self.tokenizer.single_tokens(spec.stop, "stop string")))  # once each
 
     @property

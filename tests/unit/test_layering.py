@@ -13,7 +13,7 @@ SERVE_TIME = sorted([*(CORE / "serve").glob("*.py"), *(CORE / "tasks").glob("*.p
                      *(CORE / n for n in ("__init__.py", "errors.py", "spec.py", "serving.py", "manifest.py",
                                           "tokenizer.py", "flops.py"))])
 BUILD_TIME = ("slm_core.build", "slm_core.api", "kernels", "transformers", "gguf", "safetensors")
-KINDS = {"score", "beam", "labels", "classifier"}  # the task YAML's `task` and `head` values
+KINDS = {"score", "beam", "labels", "classifier", "embedding", "mlp"}  # the task YAML's `task` and `head` values
 
 
 def imports(tree: ast.AST) -> list[tuple[str, ast.AST]]:

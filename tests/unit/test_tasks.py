@@ -9,7 +9,7 @@ from tokenizers import Tokenizer
 from conftest import train_tokenizer
 from slm_core import InputError, SpecError, TaskSpec
 from slm_core.spec import ModelSpec
-from slm_core.tasks import BeamTask, ClassifierTask, Difference, LabelsTask, task_class, task_for
+from slm_core.tasks import BeamTask, ClassifierTask, Difference, EmbeddingTask, LabelsTask, task_class, task_for
 from slm_core.tasks.beam import BeamRequest
 from test_spec import QWEN3
 
@@ -24,11 +24,12 @@ def tok(tmp_path_factory):
 def test_a_task_yaml_names_its_kind():
     assert task_class(TaskSpec(task="score")) is LabelsTask
     assert task_class(TaskSpec(task="score", head="classifier")) is ClassifierTask
+    assert task_class(TaskSpec(task="score", head="embedding")) is EmbeddingTask
     assert task_class(TaskSpec(task="beam")) is BeamTask
     with pytest.raises(SpecError, match=r"task must be one of \['beam', 'score'\], got 'rank'"):
         task_class(TaskSpec(task="rank"))
-    with pytest.raises(SpecError, match=r"'head' must be one of \['classifier', 'labels'\]"):
-        task_class(TaskSpec(task="score", head="mlp"))
+    with pytest.raises(SpecError, match=r"'head' must be one of \['classifier', 'embedding', 'labels', 'mlp'\]"):
+        task_class(TaskSpec(task="score", head="pooler"))
 
 
 @pytest.mark.parametrize("spec, message", [

@@ -1,0 +1,65 @@
+"""Score with no head: per text, its embedding, the last token's hidden state after the final norm
+in FP32, cut to its first `dims` dimensions (Matryoshka-style; all of them by default) and
+L2-normalised if `normalize`. The prefill is the score tasks' own; no LM head row is computed."""
+
+from typing import Any, ClassVar
+
+from slm_core import flops
+from slm_core.errors import SpecError
+from slm_core.spec import ModelSpec
+from slm_core.tasks.base import Difference
+from slm_core.tasks.texts import TextsTask
+
+
+class EmbeddingTask(TextsTask):
+    head = "embedding"
+    graph = "embedding"
+    api = "embed"
+    answer = ("embeddings",)
+    # judged per text by its cosine distance to the other answer (1 - cos), whatever the scale
+    tolerance: ClassVar[dict[str, float]] = {"fp32": 1e-6, "bf16": 5e-3, "fp8-static": 5e-3}
+
+    def check_head(self, spec) -> None:
+        if spec.labels:
+            raise SpecError("an embedding task has no 'labels'")
+
+    @property
+    def labels(self) -> list[str]:
+        return []
+
+    @property
+    def dims(self) -> int | None:
+        """The embedding's dimensions; None before the build resolves it from the checkpoint
+        (EmbeddingGraph.resolve: all of the hidden state unless the task cuts it)."""
+        return self.spec.dims
+
+    def body(self, answer: list[list[float]]) -> dict:
+        return {"embeddings": answer}
+
+    def outputs(self) -> list[str]:
+        return [f"embeddings float32 [texts, {self.dims or 'hidden'}]" + (" L2-normalised" if self.spec.normalize else "")]
+
+    def constants(self) -> dict:
+        return {"dims": self.dims, "normalize": self.spec.normalize}
+
+    def difference(self, want: list[list[float]], got: list[list[float]]) -> Difference:
+        return Difference(tuple(cosine_distance(a, b) for a, b in zip(want, got)))
+
+    def gate(self, differences: list[Difference], max_diff: float, min_shared: float) -> dict[str, Any]:
+        values = [v for d in differences for v in d.values]
+        worst = max(values)
+        return {"against": "bf16", "texts": len(values), "max_cosine_distance": worst,
+                "mean_cosine_distance": sum(values) / len(values), "max_allowed": max_diff, "passes": worst <= max_diff}
+
+    def flops(self, model: ModelSpec, value: Any, precision: str) -> tuple[int, int]:
+        lengths = self.token_lengths(value)
+        tokens = sum(lengths)
+        fp8 = flops.static_fp8_flops(model, tokens, skipped=tokens - len(lengths)) if precision == "fp8-static" else 0
+        return flops.prefill_flops(model, lengths), fp8
+
+
+def cosine_distance(a: list[float], b: list[float]) -> float:
+    """1 - cos(a, b); 0 for two zero vectors, 1 for one."""
+    dot = sum(x * y for x, y in zip(a, b))
+    norms = (sum(x * x for x in a) * sum(y * y for y in b)) ** 0.5
+    return 1.0 - dot / norms if norms > 0 else float(any(a) or any(b))
