@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from slm_core.errors import SpecError
-from slm_core.spec import ModelSpec, RopeSpec
+from slm_core.spec import ARCHITECTURES, ModelSpec, RopeSpec
 
 
 @dataclass(frozen=True)
@@ -60,9 +60,18 @@ _GGUF_LAYER_NAMES = {
     "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate.bias": "mlp.gate_proj.bias",
+    "ffn_up.bias": "mlp.up_proj.bias",
+    "ffn_down.bias": "mlp.down_proj.bias",
 }
 _GGUF_TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -72,38 +81,56 @@ _GGUF_TOP_NAMES = {
 
 
 def _load_gguf(path: Path) -> Checkpoint:
+    """A GGUF file of the llama, qwen2 or qwen3 architecture: its hyperparameters, weights
+    (dequantized to FP32) and tokenizer, as transformers' GGUF loader reads them."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
     meta = {name: f.contents() for name, f in reader.fields.items()}
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise SpecError(f"GGUF architecture {arch!r} is not supported (supported: llama)")
+    if arch not in ARCHITECTURES:
+        raise SpecError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+
+    def key(name: str, default=None):
+        value = meta.get(f"{arch}.{name}", default)
+        if value is None:
+            raise SpecError(f"GGUF file has no {arch}.{name}")
+        return value
+
     names = {t.name for t in reader.tensors}
-    heads = int(meta["llama.attention.head_count"])
-    hidden = int(meta["llama.embedding_length"])
+    heads, hidden = int(key("attention.head_count")), int(key("embedding_length"))
+    # llama.cpp writes a head size that is not hidden / heads as key_length (qwen3), and llama's as
+    # the RoPE dimension
+    head_dim = key("attention.key_length", meta.get(f"{arch}.rope.dimension_count", hidden // heads))
     spec = ModelSpec(
-        arch="llama",
+        arch=arch,
         vocab_size=len(meta["tokenizer.ggml.tokens"]),
         hidden_size=hidden,
-        num_layers=int(meta["llama.block_count"]),
+        num_layers=int(key("block_count")),
         num_heads=heads,
-        num_kv_heads=int(meta.get("llama.attention.head_count_kv", heads)),
-        head_dim=int(meta.get("llama.rope.dimension_count", hidden // heads)),
-        intermediate_size=int(meta["llama.feed_forward_length"]),
-        rms_norm_eps=float(meta["llama.attention.layer_norm_rms_epsilon"]),
-        rope=RopeSpec(theta=float(meta.get("llama.rope.freq_base", 10000.0))),
+        num_kv_heads=int(key("attention.head_count_kv", heads)),
+        head_dim=int(head_dim),
+        intermediate_size=int(key("feed_forward_length")),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        rope=RopeSpec(theta=float(key("rope.freq_base", 10000.0))),
         tie_word_embeddings="output.weight" not in names,
-        max_position_embeddings=int(meta.get("llama.context_length", 8192)),
+        qkv_bias="blk.0.attn_q.bias" in names,
+        o_bias="blk.0.attn_output.bias" in names,
+        mlp_bias="blk.0.ffn_up.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        max_position_embeddings=int(key("context_length", 8192)),
     )
-    if "llama.rope.scaling.type" in meta:
+    if f"{arch}.rope.scaling.type" in meta:
         raise SpecError("GGUF rope scaling is not supported")
+    if (arch == "qwen3") != spec.qk_norm:
+        raise SpecError(f"GGUF {arch} file {'without' if arch == 'qwen3' else 'with'} q/k norms")
     weights = {}
     for t in reader.tensors:
         w = gguf.quants.dequantize(t.data, t.tensor_type)  # fp32, [rows, cols] as in torch
         w = np.ascontiguousarray(w.reshape([int(n) for n in reversed(t.shape)]))
-        if t.name.endswith(("attn_q.weight", "attn_k.weight")):
-            # llama.cpp interleaves the RoPE halves of q/k rows; undo it (as transformers' loader does).
+        if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+            # llama.cpp interleaves the RoPE halves of llama's q/k rows (and only llama's); undo it,
+            # as transformers' loader does.
             n = heads if "attn_q" in t.name else spec.num_kv_heads
             w = w.reshape(n, w.shape[0] // n // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
         weights[_gguf_to_hf_name(t.name)] = torch.from_numpy(np.array(w, dtype=np.float32))  # own, writable copy
@@ -142,8 +169,16 @@ def _gguf_to_hf_name(name: str) -> str:
         return _GGUF_TOP_NAMES[name]
     blk, layer, rest = name.split(".", 2)
     if blk != "blk" or rest not in _GGUF_LAYER_NAMES:
-        raise SpecError(f"GGUF tensor {name!r} is not a known llama tensor")
+        raise SpecError(f"GGUF tensor {name!r} is not a known llama, qwen2 or qwen3 tensor")
     return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[rest]}"
+
+
+# The pre-tokenizer splits a GGUF names (tokenizer.ggml.pre) other than GPT-2's: Qwen2's, which
+# Qwen2.5 and Qwen3 files name too; one digit per piece, unlike GPT-2's runs.
+_GGUF_SPLITS = {
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+             r"|\s+(?!\S)|\s+",
+}
 
 
 @lru_cache(maxsize=1)
@@ -164,8 +199,9 @@ def _byte_alphabet() -> dict[int, str]:
 def _gguf_tokenizer(meta: dict) -> Tokenizer:
     """The byte-level BPE a GGUF describes, built the way transformers' GGUF loader builds it."""
     kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
-    if kind != "gpt2" or pre not in ("default", "gpt2", "smollm"):
-        raise SpecError(f"GGUF tokenizer {kind!r} with pre-tokenizer {pre!r} is not supported (supported: gpt2/smollm)")
+    if kind != "gpt2" or pre not in ("default", "gpt2", "smollm", *_GGUF_SPLITS):
+        raise SpecError(f"GGUF tokenizer {kind!r} with pre-tokenizer {pre!r} is not supported (supported: gpt2 with "
+                        f"{', '.join(['default', 'gpt2', 'smollm', *_GGUF_SPLITS])})")
     spelling = _byte_alphabet()
     alphabet = set(spelling.values())
     tokens = meta["tokenizer.ggml.tokens"]
@@ -175,7 +211,11 @@ def _gguf_tokenizer(meta: dict) -> Tokenizer:
     }
     merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _GGUF_SPLITS:  # the vocabulary's own split, then bytes
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_GGUF_SPLITS[pre]), behavior="isolated"),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:  # GPT-2's split
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     types = meta.get("tokenizer.ggml.token_type") or []
     # 3 = CONTROL (special, matched whole), 4 = USER_DEFINED (added, not special).
