@@ -97,6 +97,20 @@ def test_fp8_static_engines_answer_close_to_bf16_and_the_gate_measures_it(random
         fp8_gate(bf16, static, GateThresholds(min_shared=1.01))
 
 
+def test_fp8_static_embeddings_are_near_bf16_and_gated_by_cosine_distance(random_checkpoint):
+    """head: embedding in fp8-static: the same linears in E4M3; its gate measures each text's
+    cosine distance to the bf16 embedding and refuses a build past the threshold."""
+    ckpt = load_checkpoint(random_checkpoint("qwen3")[0])
+    task = dict(task="score", head="embedding", max_texts=4, max_text_tokens=32)
+    bf16, static = engine_for(ckpt, **task, precision="bf16"), engine_for(ckpt, **task, precision="fp8-static")
+    assert isinstance(static.graph.model.layers[0].attn.qkv, StaticFp8Linear)
+    gate = fp8_gate(bf16, static, GateThresholds(max_diff=0.05))
+    assert gate["against"] == "bf16" and gate["texts"] >= 10
+    assert 0 < gate["mean_cosine_distance"] <= gate["max_cosine_distance"] < 0.05
+    with pytest.raises(SpecError, match="fails its accuracy gate"):
+        fp8_gate(bf16, static, GateThresholds(max_diff=gate["max_cosine_distance"] / 2))
+
+
 @pytest.mark.slow
 def test_fp8_score_build_compiles_matches_eager_and_records_its_gate(random_checkpoint, tmp_path):
     """An fp8-static score package (AOTInductor, CPU): compiled equals eager, the manifest records
