@@ -23,7 +23,7 @@ from slm_core import manifest
 from slm_core.errors import DeviceLost
 from slm_core.serve.deadline import Deadlines
 from slm_core.serve.loader import load_package, mps_running
-from slm_core.serve.protocol import Reply, Request, respond_batch
+from slm_core.serve.protocol import Reply, Request, encode, respond_batch
 from slm_core.serving import ServingSpec
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,18 @@ def shared_grpc_error(grpc: list[bool], replies: list[Reply]) -> Reply | None:
     first = replies[0]
     same = all((r.status, r.body) == (first.status, first.body) for r in replies)
     return first if all(grpc) and first.status != 200 and same else None
+
+
+def description(package: dict, serving: ServingSpec) -> bytes:
+    """What describe-model answers with ?customized=true (TorchServe's customizedMetadata): the
+    task as built (kind, labels, bounds, precision), its request field and answer fields, the
+    build's device and timings, and this deployment's serving settings."""
+    encode_node = manifest.node(package, "encode")
+    return encode({"task": package["task"], "request_field": encode_node["input"],
+                   "answer": manifest.node(package, "decode")["output"], "bounds": encode_node["bounds"],
+                   "device": package["device"], "dtype": package.get("dtype"), "call_ms": package.get("call_ms"),
+                   "serving": {"workers": serving.workers, "batch": serving.batch, "queue": serving.queue,
+                               "deadline_ms": serving.deadline_ms, "cuda_graphs": serving.cuda_graphs}})
 
 
 def record_metrics(metrics, replies: list[Reply]) -> None:
@@ -93,6 +105,7 @@ class SlmHandler:
     def __init__(self):
         self.engine = None
         self.deadlines = None
+        self.description = b"{}"
 
     def initialize(self, ctx) -> None:
         # Bodies reach handle() as the bytes the client sent, for slm_core.serve.protocol to parse
@@ -106,7 +119,9 @@ class SlmHandler:
         start = time.perf_counter()
         model_dir = ctx.system_properties["model_dir"]
         self.engine = load_package(model_dir, ctx.system_properties.get("gpu_id"), serving.cuda_graphs)
-        self.deadlines = Deadlines(serving.deadline_ms, manifest.read(model_dir).get("call_ms") or {})
+        package = manifest.read(model_dir)
+        self.deadlines = Deadlines(serving.deadline_ms, package.get("call_ms") or {})
+        self.description = description(package, serving)
         replay = self.engine.context.replay
         cuda = self.engine.device.type == "cuda"
         mps = cuda and mps_running()
@@ -132,6 +147,8 @@ class SlmHandler:
         """The replies to a batch, in order, each with its own status."""
         start = time.perf_counter()
         batch = requests(data, ctx)
+        if batch and batch[0].headers.get("describe") == "True":  # describe-model ?customized=true
+            return [self.description]
         try:
             replies = respond_batch(self.engine, batch, self.deadlines)
         except DeviceLost:

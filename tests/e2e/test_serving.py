@@ -413,3 +413,19 @@ def test_sigusr1_writes_each_thread_stack_to_the_log_and_the_worker_serves_on(se
         time.sleep(0.2)
     assert log.read_text().count("most recent call first") > before
     assert server.predict("tiny_score", b'{"texts": ["still fine"]}')[0] == 200
+
+
+def test_describe_model_customized_names_the_task(server):
+    """describe-model ?customized=true: TorchServe asks a worker, whose handler answers the task
+    as built (kind, labels, bounds, precision), its request and answer fields, and its serving."""
+    status, body = http("GET", f"{server.management}/models/tiny_score?customized=true")
+    assert status == 200, body
+    (described,) = json.loads(body)
+    meta = described["customizedMetadata"]
+    assert isinstance(meta, dict)  # TorchServe nests the handler's JSON answer as an object
+    assert meta["task"]["task"] == "score" and meta["task"]["labels"] == ["yes", "no"]
+    assert meta["task"]["precision"] == "fp32" and meta["request_field"] == "request field 'texts'"
+    assert meta["bounds"] == {"requests": 3, "sequences_per_request": 8, "tokens_per_sequence": 64}
+    assert meta["serving"]["queue"] == 30 and meta["device"] == "cpu"
+    status, _ = server.predict("tiny_score", b'{"texts": ["still answering"]}')
+    assert status == 200
