@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy_env import CONFIG, SERVE, TASK, serve_env
+from deploy_env import CONFIG, DEPLOY, SERVE, TASK, serve_env
 from handlers.local_server import free_ports, http
 
 
@@ -19,7 +19,9 @@ from handlers.local_server import free_ports, http
 def test_serves_the_real_archive_it_finds(tmp_path, demo):
     """The entrypoint as a replica runs it, on CPU, with the demo's smollm2_intent.mar already in
     its model store (building is the stand-in tests' part): it does not build, then serves it with
-    the deploy config (its ports moved to free ones) and answers /ping, a prediction and /metrics."""
+    the deploy config (its ports moved to free ones). The readiness probe (deploy/ready.py) says
+    ready once the model has a READY worker, and a request then is answered at once; /metrics
+    answers; a store archive TorchServe does not serve keeps the probe not ready."""
     from conftest import smollm2_path
 
     (tmp_path / "tasks").mkdir()
@@ -44,21 +46,38 @@ def test_serves_the_real_archive_it_finds(tmp_path, demo):
     log = open(tmp_path / "run" / "stdout.log", "wb")
     proc = subprocess.Popen([str(SERVE)], env=serve, cwd=tmp_path / "run", stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)  # its own process group: killed whole below
+    def ready(store: Path) -> subprocess.CompletedProcess:  # the readiness probe, as the manifests run it
+        return subprocess.run([sys.executable, str(DEPLOY / "ready.py")], capture_output=True, text=True, timeout=30,
+                              env={**os.environ, "MODEL_STORE": str(store), "MANAGEMENT": f"http://127.0.0.1:{management}"})
+
     try:
-        deadline = time.monotonic() + 300
+        start, healthy, deadline = time.monotonic(), None, time.monotonic() + 300
         while True:
             assert proc.poll() is None, (tmp_path / "run" / "stdout.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "not healthy in 300 s"
+            assert time.monotonic() < deadline, "not ready in 300 s"
             try:
-                if http("GET", f"http://127.0.0.1:{inference}/ping", timeout=2)[0] == 200:
-                    break
+                if healthy is None and http("GET", f"http://127.0.0.1:{inference}/ping", timeout=2)[0] == 200:
+                    healthy = time.monotonic() - start
             except OSError:
                 pass
-            time.sleep(1)
+            probe = ready(tmp_path / "store")
+            if probe.returncode == 0:
+                break
+            assert "smollm2_intent" in probe.stderr, probe.stderr  # the reason names the model
+            time.sleep(0.5)
+        print(f"\n/ping Healthy after {healthy} s, ready.py ready after {time.monotonic() - start:.1f} s")
+        # ready means a request is answered at once
         status, body = http("POST", f"http://127.0.0.1:{inference}/predictions/smollm2_intent",
                             json.dumps({"texts": ["cheap flights to rome"]}).encode(),
-                            {"Content-Type": "application/json"})
+                            {"Content-Type": "application/json"}, timeout=30)
         assert status == 200, body
+        # an archive in the store that TorchServe does not serve: not ready, named
+        (tmp_path / "other").mkdir()
+        for name in ("smollm2_intent.mar", "ghost.mar"):
+            (tmp_path / "other" / name).touch()
+        probe = ready(tmp_path / "other")
+        assert probe.returncode == 1 and "ghost: not registered (404)" in probe.stderr, probe.stderr
+        assert "smollm2_intent" not in probe.stderr
         answer = json.loads(body)
         assert answer["labels"] == ["Yes", "No"] and sum(answer["scores"][0]) == pytest.approx(1, abs=1e-5)
         status, body = http("GET", f"http://127.0.0.1:{metrics}/metrics")

@@ -15,7 +15,6 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
-
 from deploy_env import CONFIG, DEPLOY, INFERENCE_PORT, METRICS_PORT, SERVE, SERVE_DEFAULTS, TASK, serve_env
 
 
@@ -49,8 +48,11 @@ def test_manifest_agrees_with_config_and_serve_sh(index):
     assert limits["nvidia.com/gpu"] == 1 and requests["nvidia.com/gpu"] == 1
     ports = [p["containerPort"] for p in container["ports"]]
     assert ports == [INFERENCE_PORT, METRICS_PORT]  # KServe routes to the first
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert container[probe]["httpGet"] == {"path": "/ping", "port": INFERENCE_PORT}, probe
+    # ready: every archive with a READY worker (deploy/ready.py, where the image puts it); alive: /ping
+    for probe in ("startupProbe", "readinessProbe"):
+        assert container[probe]["exec"]["command"] == ["python3", "/opt/slm-serve/deploy/ready.py"], probe
+    assert container["livenessProbe"]["httpGet"] == {"path": "/ping", "port": INFERENCE_PORT}
+    assert "WORKDIR /opt/slm-serve" in (DEPLOY / "Dockerfile").read_text()  # where COPY deploy/ puts ready.py
     assert annotations["prometheus.io/port"] == str(METRICS_PORT)
     assert annotations["prometheus.io/path"] == "/metrics"
 

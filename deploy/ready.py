@@ -1,0 +1,55 @@
+#!/usr/bin/env python3
+"""Readiness of one replica, for the container's readiness probe: every archive in the model
+store is registered and has at least one READY worker. TorchServe's /ping says Healthy as soon as
+the server is up, while workers may still be loading (a CUDA worker captures its graphs for a
+minute); a replica that takes traffic then queues it.
+
+    python3 deploy/ready.py     # exit 0 when ready; else 1, with what is not ready on stderr
+
+Settings (environment, defaults in brackets): MODEL_STORE [/models/model-store], MANAGEMENT
+[http://127.0.0.1:8081: the management address of deploy/config.properties]. The standard
+library only, and one request per model: it runs every few seconds.
+"""
+
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+def not_ready(store: Path, management: str, timeout: float = 2.0) -> list[str]:
+    """What keeps the replica from being ready: a model of the store not registered, or without a
+    READY worker (empty: ready)."""
+    names = sorted(p.stem for p in store.glob("*.mar"))
+    if not names:
+        return [f"no archive in {store}"]
+    reasons = []
+    for name in names:
+        try:
+            with urllib.request.urlopen(f"{management}/models/{name}", timeout=timeout) as r:
+                workers = json.loads(r.read())[0]["workers"]
+        except urllib.error.HTTPError as e:
+            reasons.append(f"{name}: not registered ({e.code})")
+            continue
+        except (OSError, ValueError, LookupError) as e:  # not listening yet, or an answer of another shape
+            reasons.append(f"{name}: management API at {management}: {e}")
+            continue
+        ready = sum(w.get("status") == "READY" for w in workers)
+        if not ready:
+            reasons.append(f"{name}: {ready} of {len(workers)} workers READY "
+                           f"({', '.join(sorted({str(w.get('status')) for w in workers})) or 'none started'})")
+    return reasons
+
+
+def main() -> int:
+    store = Path(os.environ.get("MODEL_STORE", "/models/model-store"))
+    reasons = not_ready(store, os.environ.get("MANAGEMENT", "http://127.0.0.1:8081").rstrip("/"))
+    for reason in reasons:
+        print(f"not ready: {reason}", file=sys.stderr)
+    return 1 if reasons else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
