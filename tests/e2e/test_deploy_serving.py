@@ -46,6 +46,7 @@ def test_serves_the_real_archive_it_finds(tmp_path, demo):
     log = open(tmp_path / "run" / "stdout.log", "wb")
     proc = subprocess.Popen([str(SERVE)], env=serve, cwd=tmp_path / "run", stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)  # its own process group: killed whole below
+
     def ready(store: Path) -> subprocess.CompletedProcess:  # the readiness probe, as the manifests run it
         return subprocess.run([sys.executable, str(DEPLOY / "ready.py")], capture_output=True, text=True, timeout=30,
                               env={**os.environ, "MODEL_STORE": str(store), "MANAGEMENT": f"http://127.0.0.1:{management}"})
