@@ -80,8 +80,9 @@ def record_metrics(metrics, replies: list[Reply]) -> None:
     Requests5XX counts them."""
     calls = {}
     for reply in replies:
-        if reply.stats is None:
-            metrics.add_counter("SlmRefused", 1, dimensions=[Dimension("Status", str(reply.status))])
+        if reply.stats is None:  # no graph call: refused or failed, or a model description
+            if reply.status != 200:
+                metrics.add_counter("SlmRefused", 1, dimensions=[Dimension("Status", str(reply.status))])
             continue
         calls[reply.stats.call] = reply.stats
         metrics.add_counter("SlmTexts", reply.stats.texts)
@@ -147,10 +148,11 @@ class SlmHandler:
         """The replies to a batch, in order, each with its own status."""
         start = time.perf_counter()
         batch = requests(data, ctx)
-        if batch and batch[0].headers.get("describe") == "True":  # describe-model ?customized=true
-            return [self.description]
+        # describe-model ?customized=true reaches a worker as a request with this header, which a
+        # batch may hold beside predictions (and a client may send): it alone gets the description
+        describe = [request.headers.get("describe") == "True" for request in batch]
         try:
-            replies = respond_batch(self.engine, batch, self.deadlines)
+            answered = iter(respond_batch(self.engine, [r for r, d in zip(batch, describe) if not d], self.deadlines))
         except DeviceLost:
             # Every later call would fail too, and under MPS the GPU takes no new client until this
             # process is gone: exit, so that TorchServe starts a worker with a fresh context. The
@@ -158,6 +160,7 @@ class SlmHandler:
             log.critical("the GPU context is lost: exiting for a new worker", exc_info=True)
             logging.shutdown()
             os._exit(EXIT_DEVICE_LOST)
+        replies = [Reply(200, self.description) if d else next(answered) for d in describe]
         handler_ms = (time.perf_counter() - start) * 1e3  # parse, tokenize, graph call, encode
         grpc = [through_grpc(request) for request in batch]
         failed = shared_grpc_error(grpc, replies)

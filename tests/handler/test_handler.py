@@ -60,6 +60,22 @@ def test_a_batch_of_good_and_bad_requests_gets_an_answer_each(archives):
     assert ctx.counters[("SlmRefused", "Status=400")] == 3 and ctx.counters[("SlmRefused", "Status=415")] == 1
 
 
+def test_a_describe_request_gets_the_description_and_its_batch_peers_their_answers(archives):
+    """describe-model ?customized=true comes as a request with TorchServe's describe header; in a
+    batch beside a prediction, each gets its own reply, and the description counts as no refusal."""
+    rest = {"Content-Length": "20"}
+    ctx = MockContext(archives["tiny_score"], ServingSpec("cpu", 1, 3, 30).model_config(),
+                      [{**rest, "describe": "True"}, rest])
+    handler = SlmHandler()
+    handler.initialize(ctx)
+    out = handler.handle([{"body": b""}, {"body": b'{"texts": ["a"]}'}], ctx)
+    described, answer = json.loads(out[0]), json.loads(out[1])
+    assert described["task"]["labels"] == ["yes", "no"] and described["serving"]["queue"] == 30
+    assert answer["labels"] == ["yes", "no"] and len(answer["scores"]) == 1
+    assert [ctx.status[i][0] for i in range(2)] == [200, 200]
+    assert not any(key[0] == "SlmRefused" for key in ctx.counters if isinstance(key, tuple))
+
+
 def test_a_worker_whose_gpu_context_is_lost_exits_for_a_new_one(archives, monkeypatch):
     """A sticky device error fails every later call: the worker exits (TorchServe starts another,
     with a fresh context) instead of answering 500 from then on."""
