@@ -29,8 +29,9 @@ soak offers 0.8x capacity for --seconds and reports each window. Both sample the
 memory (and GPU memory where nvidia-smi runs) every second.
 kill and gpu-fault offer 0.8x capacity for --fault-seconds and, 5 s in, kill -9 one worker or run
 bench.gpu_fault beside the workers (an illegal memory access on the GPU): the requests lost, and
-when a new worker answers. Without --capacity, it is measured
-first (bench.loadgen sweep: the highest closed-loop QPS within the SLO).
+when a new worker answers.
+Without --capacity, it is measured first (bench.loadgen sweep: the highest closed-loop QPS within
+the SLO).
 
 tests/e2e/test_serving.py runs the bad-input part against the CPU test archives in CI.
 """
@@ -43,8 +44,8 @@ import json
 import math
 import random
 import re
-import shutil
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -408,6 +409,11 @@ def summary(records: list[Record], seconds: float, deadline_ms: float | None = N
             "other_statuses": dict(Counter(str(s) for _, _, s, _ in records if s not in (200, 429, 503, 504)))}
 
 
+def p99_per_second(records: list[Record], seconds: float) -> list[float | None]:
+    """The admitted P99 of the requests sent in each whole second."""
+    return [summary([r for r in records if k <= r[0] < k + 1], 1)["admitted_p99_ms"] for k in range(int(seconds))]
+
+
 def overload(url: str, management: str, model: str, bodies: list[bytes], capacity: float, seconds: float,
              factor: float = 3.0, settle: float = 10.0, deadline_ms: float | None = None) -> dict:
     """0.8x capacity for `settle` s, factor x capacity for `seconds`, 0.8x again for `settle` s
@@ -421,8 +427,7 @@ def overload(url: str, management: str, model: str, bodies: list[bytes], capacit
             records = open_loop(url, bodies, x * capacity, secs, deadline_ms=deadline_ms)
             result[name] = {**summary(records, secs, deadline_ms), **memory.between(t0, time.perf_counter() - memory.start)}
             if name == "after":
-                result[name]["p99_ms_per_second"] = [summary([r for r in records if k <= r[0] < k + 1], 1)["admitted_p99_ms"]
-                                                      for k in range(int(secs))]
+                result[name]["p99_ms_per_second"] = p99_per_second(records, secs)
     return result
 
 
@@ -454,7 +459,6 @@ def fault(url: str, management: str, model: str, bodies: list[bytes], capacity: 
     failed = [(sent - at, ms, status) for sent, ms, status, _ in records if status != 200]
     new = [sent + ms / 1e3 - at for sent, ms, status, worker in records
            if status == 200 and worker and worker not in before and sent >= at]
-    seconds_per = range(int(seconds))
     return {"capacity": capacity, "rate": 0.8 * capacity, "seconds": seconds, "fault_at_s": at, **report,
             "workers_before": before, "workers_after": worker_pids(management, model),
             "requests": len(records), "failed": len(failed),
@@ -463,9 +467,8 @@ def fault(url: str, management: str, model: str, bodies: list[bytes], capacity: 
             "last_failure_answered_s": max((t + ms / 1e3 for t, ms, _ in failed), default=None),
             "first_answer_by_a_new_worker_s": min(new, default=None),
             "statuses_per_second": [dict(Counter(str(s) for sent, _, s, _ in records if k <= sent < k + 1))
-                                    for k in seconds_per],
-            "p99_ms_per_second": [summary([r for r in records if k <= r[0] < k + 1], 1)["admitted_p99_ms"]
-                                  for k in seconds_per]}
+                                    for k in range(int(seconds))],
+            "p99_ms_per_second": p99_per_second(records, seconds)}
 
 
 def kill_worker(workers: list[str]) -> dict:

@@ -1,12 +1,11 @@
 """Score with no head: per text, its embedding, the last token's hidden state after the final norm
 in FP32, cut to its first `dims` dimensions (Matryoshka-style; all of them by default) and
-L2-normalised if `normalize`. The prefill is the score tasks' own; no LM head row is computed."""
+L2-normalised if `normalize`. The prefill is the score tasks' own; no LM head row is computed
+(TextsTask.flops counts a head of no labels: the prefill alone)."""
 
 from typing import Any, ClassVar
 
-from slm_core import flops
 from slm_core.errors import SpecError
-from slm_core.spec import ModelSpec
 from slm_core.tasks.base import Difference
 from slm_core.tasks.texts import TextsTask
 
@@ -50,12 +49,6 @@ class EmbeddingTask(TextsTask):
         worst = max(values)
         return {"against": "bf16", "texts": len(values), "max_cosine_distance": worst,
                 "mean_cosine_distance": sum(values) / len(values), "max_allowed": max_diff, "passes": worst <= max_diff}
-
-    def flops(self, model: ModelSpec, value: Any, precision: str) -> tuple[int, int]:
-        lengths = self.token_lengths(value)
-        tokens = sum(lengths)
-        fp8 = flops.static_fp8_flops(model, tokens, skipped=tokens - len(lengths)) if precision == "fp8-static" else 0
-        return flops.prefill_flops(model, lengths), fp8
 
 
 def cosine_distance(a: list[float], b: list[float]) -> float:

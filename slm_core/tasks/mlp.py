@@ -4,7 +4,8 @@ to an MLP read from the safetensors file the task names (`mlp`; slm_core.build.m
 layout), run in FP32 inside the compiled graph. Its output row per text is answered as a
 classifier's: softmax over the row (`output: probs`) or the row itself (`logits`), with the
 output names from the task's labels, else the file's, else LABEL_i (resolved at build). FLOPs
-count the prefill: the MLP's few matrix products per text are not counted."""
+are a classifier's (TextsTask.flops: the prefill and a head of one row per output over the hidden
+state): the serve side does not read the MLP's widths."""
 
 import shutil
 from dataclasses import replace
@@ -24,8 +25,7 @@ class MlpTask(TextsTask):
     def check_head(self, spec) -> None:
         if spec.mlp is None:
             raise SpecError("head: mlp needs the task key 'mlp': the safetensors file of the MLP")
-        if spec.output not in ("probs", "logits"):
-            raise SpecError(f"task key 'output' must be 'probs' or 'logits', got {spec.output!r}")
+        self.check_output(spec)
         if len(spec.labels) < (2 if spec.output == "probs" else 1):
             raise SpecError(f"an MLP head answering {spec.output} needs at least "
                             f"{2 if spec.output == 'probs' else 1} output(s), got {len(spec.labels)}")

@@ -29,14 +29,18 @@ class TextsTask(Task):
 
     def check_head(self, spec) -> None:
         """The keys of the row a text gets: its labels and output."""
-        if spec.output not in ("probs", "logits"):
-            raise SpecError(f"task key 'output' must be 'probs' or 'logits', got {spec.output!r}")
+        self.check_output(spec)
         if len(spec.labels) < 2:  # a classifier's come from its checkpoint (ClassifierGraph.resolve)
             raise SpecError("a score task needs at least two 'labels'")
         if spec.dims is not None or spec.normalize:
             raise SpecError("task keys 'dims' and 'normalize' are for head: embedding or mlp")
         if spec.mlp is not None:
             raise SpecError("task key 'mlp' is for head: mlp")
+
+    @staticmethod
+    def check_output(spec) -> None:
+        if spec.output not in ("probs", "logits"):
+            raise SpecError(f"task key 'output' must be 'probs' or 'logits', got {spec.output!r}")
 
     @property
     def request_sequences(self) -> int:
