@@ -11,7 +11,8 @@ the handler names the worker in X-Slm-Worker).
         http://127.0.0.1:8081 --model NAME --task score --max-items 16 --max-tokens 160 --bad 1000
 
 Overload and soak (open loop: requests arrive at a fixed rate whatever the answers, as from
-many independent clients), against a running model or a private TorchServe on one archive:
+many independent clients, sent by several generator processes that take turns in one schedule),
+against a running model or a private TorchServe on one archive:
 
     python -m bench.reliability overload --archive NAME.mar --task score --seconds 60 [--capacity R]
     python -m bench.reliability soak --archive NAME.mar --task score --seconds 600 [--capacity R]
@@ -42,9 +43,10 @@ import concurrent.futures
 import gzip
 import json
 import math
+import multiprocessing
+import os
 import random
 import re
-import os
 import shutil
 import signal
 import statistics
@@ -296,47 +298,86 @@ def run(url: str, management: str, model: str, bad: list[Probe], valid: list[Pro
             "tolerance": tolerance._asdict(), "failures": failures}
 
 
-Record = tuple[float, float, int, str]  # sent (s from the start), latency ms, status, answering worker
+class Record(NamedTuple):
+    sent: float  # when it was due, s from the loop's start
+    ms: float  # latency, from its actual send
+    status: int  # 0: a timeout or a broken connection
+    worker: str  # the worker that answered (X-Slm-Worker), "" where none did
+    lag_ms: float  # how late the generator sent it: a client-side delay no server figure holds
 
 
-def open_loop(url: str, bodies: list[bytes], rate: float, seconds: float, timeout: float = 30.0,
-              deadline_ms: float | None = None) -> list[Record]:
-    """Requests at `rate` per second for `seconds`, each sent on schedule whatever the others are
-    doing (open loop; no client-side limit on connections). Per request: (sent, seconds from the
-    start; latency ms; status, 0 for a timeout or a broken connection; the worker that answered, as
-    the handler names it in X-Slm-Worker, "" where none did). With deadline_ms, each carries it
-    (X-Slm-Deadline-Ms) and its send time as a proxy stamps it (X-Request-Start)."""
+def open_loop(url: str, bodies: list[bytes], phases: list[tuple[float, float]], timeout: float = 30.0,
+              deadline_ms: float | None = None, processes: int | None = None, on_start=None) -> list[Record]:
+    """Requests at each phase's (rate per second, seconds), one phase after the other, each sent on
+    schedule whatever the others are doing (open loop; no client-side limit on connections), from
+    `processes` generator processes that take turns in the schedule (default: one per
+    RATE_PER_PROCESS req/s of the fastest phase, at most the cores but two), so that one event
+    loop's own delays neither hold requests back nor count as server time. With deadline_ms, each
+    request carries it (X-Slm-Deadline-Ms) and its send time as a proxy stamps it
+    (X-Request-Start). on_start() runs in this process as the schedule starts."""
+    due, begin = [], 0.0
+    for rate, seconds in phases:
+        due += [begin + i / rate for i in range(math.ceil(rate * seconds - 1e-9))]
+        begin += seconds
+    fastest = max(rate for rate, _ in phases)
+    processes = processes or max(1, min(math.ceil(fastest / RATE_PER_PROCESS), (os.cpu_count() or 1) - 2))
+    ctx = multiprocessing.get_context("spawn")  # no fork of this process's threads (Memory's, a fault timer)
+    ready, results = ctx.Barrier(processes + 1), ctx.Queue()
+    parts = [ctx.Process(target=_open_loop_part, daemon=True,
+                         args=(url, bodies, due[k::processes], k, processes, timeout, deadline_ms, ready, results))
+             for k in range(processes)]
+    for part in parts:
+        part.start()
+    ready.wait(STARTUP_S)  # every generator started: the schedule starts now, in all at once
+    if on_start:
+        on_start()
+    # read before join: a process does not exit while its records wait in a full pipe
+    out = [r for _ in parts for r in results.get(timeout=begin + timeout + STARTUP_S)]
+    for part in parts:
+        part.join()
+    return sorted(out)
+
+
+RATE_PER_PROCESS = 150  # req/s one aiohttp event loop sends on schedule, with room (bench/RESULTS.md)
+STARTUP_S = 60.0  # a generator process not ready by then has failed
+
+
+def _open_loop_part(url: str, bodies: list[bytes], due: list[float], part: int, parts: int, timeout: float,
+                    deadline_ms: float | None, ready, results) -> None:
+    """open_loop's generator `part` of `parts`: the requests due at `due` (s from the start),
+    request i of the schedule at due[i // parts] with body i."""
     import aiohttp
 
     async def go():
         out: list[Record] = []
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout)) as session:
-            async def one(i: int, at: float):
+            async def one(body: bytes, at: float, scheduled: float):
                 sent = time.perf_counter()
                 headers = {"Content-Type": JSON}
                 if deadline_ms is not None:
                     headers.update({"X-Slm-Deadline-Ms": f"{deadline_ms:g}", "X-Request-Start": f"t={time.time():.6f}"})
                 worker = ""
                 try:
-                    async with session.post(url, data=bodies[i % len(bodies)], headers=headers) as r:
+                    async with session.post(url, data=body, headers=headers) as r:
                         await r.read()
                         status, worker = r.status, r.headers.get("X-Slm-Worker", "")
                 except (aiohttp.ClientError, asyncio.TimeoutError):
                     status = 0
-                out.append((at, (time.perf_counter() - sent) * 1e3, status, worker))
+                out.append(Record(at, (time.perf_counter() - sent) * 1e3, status, worker, (sent - scheduled) * 1e3))
 
-            start, tasks, i = time.perf_counter(), [], 0
-            while (at := i / rate) < seconds:
+            await asyncio.get_running_loop().run_in_executor(None, ready.wait, STARTUP_S)
+            start, tasks = time.perf_counter(), []
+            for j, at in enumerate(due):
                 delay = start + at - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                tasks.append(asyncio.ensure_future(one(i, at)))
-                i += 1
+                body = bodies[(j * parts + part) % len(bodies)]
+                tasks.append(asyncio.ensure_future(one(body, at, start + at)))
             await asyncio.gather(*tasks)
         return out
 
-    return asyncio.run(go())
+    results.put(asyncio.run(go()))
 
 
 class Memory:
@@ -393,8 +434,9 @@ def _gpu_mib(pids: list[str]) -> float | None:
 def summary(records: list[Record], seconds: float, deadline_ms: float | None = None) -> dict:
     """Offered and answered rates, admitted (200) latency, refused (429/503: a full queue; 504:
     a deadline) latency, the rest; with deadline_ms, the answers that came after it."""
-    ok = sorted(ms for _, ms, s, _ in records if s == 200)
-    refused = sorted(ms for _, ms, s, _ in records if s in (429, 503, 504))
+    ok = sorted(r.ms for r in records if r.status == 200)
+    refused = sorted(r.ms for r in records if r.status in (429, 503, 504))
+    lag = sorted(r.lag_ms for r in records)
 
     def pct(values, q):
         return percentile(values, q) if values else None
@@ -403,41 +445,50 @@ def summary(records: list[Record], seconds: float, deadline_ms: float | None = N
             "admitted_mean_ms": statistics.fmean(ok) if ok else None, "admitted_p50_ms": pct(ok, 50),
             "admitted_p99_ms": pct(ok, 99), "refused": len(refused), "refused_p50_ms": pct(refused, 50),
             "refused_p99_ms": pct(refused, 99), "refused_max_ms": refused[-1] if refused else None,
-            "refused_queue_full": sum(s in (429, 503) for _, _, s, _ in records),
-            "refused_deadline": sum(s == 504 for _, _, s, _ in records),
+            "refused_queue_full": sum(r.status in (429, 503) for r in records),
+            "refused_deadline": sum(r.status == 504 for r in records),
             **({"answered_after_deadline": sum(ms > deadline_ms for ms in ok)} if deadline_ms is not None else {}),
-            "other_statuses": dict(Counter(str(s) for _, _, s, _ in records if s not in (200, 429, 503, 504)))}
+            "other_statuses": dict(Counter(str(r.status) for r in records if r.status not in (200, 429, 503, 504))),
+            "send_lag_p99_ms": pct(lag, 99), "send_lag_max_ms": lag[-1] if lag else None}
 
 
 def p99_per_second(records: list[Record], seconds: float) -> list[float | None]:
     """The admitted P99 of the requests sent in each whole second."""
-    return [summary([r for r in records if k <= r[0] < k + 1], 1)["admitted_p99_ms"] for k in range(int(seconds))]
+    return [summary([r for r in records if k <= r.sent < k + 1], 1)["admitted_p99_ms"] for k in range(int(seconds))]
 
 
 def overload(url: str, management: str, model: str, bodies: list[bytes], capacity: float, seconds: float,
              factor: float = 3.0, settle: float = 10.0, deadline_ms: float | None = None) -> dict:
     """0.8x capacity for `settle` s, factor x capacity for `seconds`, 0.8x again for `settle` s
-    (recovery: also per second), with the workers' memory over each phase; with deadline_ms,
-    every request carries that deadline."""
+    (recovery: also per second), one schedule without a pause between them, with the workers'
+    memory over each phase; with deadline_ms, every request carries that deadline."""
     phases = [("before", 0.8, settle), ("burst", factor, seconds), ("after", 0.8, settle)]
     result: dict = {"capacity": capacity, "factor": factor, "deadline_ms": deadline_ms}
+    started: list[float] = []
     with Memory(management, model) as memory:
-        for name, x, secs in phases:
-            t0 = time.perf_counter() - memory.start
-            records = open_loop(url, bodies, x * capacity, secs, deadline_ms=deadline_ms)
-            result[name] = {**summary(records, secs, deadline_ms), **memory.between(t0, time.perf_counter() - memory.start)}
-            if name == "after":
-                result[name]["p99_ms_per_second"] = p99_per_second(records, secs)
+        records = open_loop(url, bodies, [(x * capacity, secs) for _, x, secs in phases], deadline_ms=deadline_ms,
+                            on_start=lambda: started.append(time.perf_counter() - memory.start))
+    begin = 0.0
+    for name, _, secs in phases:
+        mine = [r._replace(sent=r.sent - begin) for r in records if begin <= r.sent < begin + secs]
+        t0 = started[0] + begin
+        result[name] = {**summary(mine, secs, deadline_ms), **memory.between(t0, t0 + secs)}
+        if name == "after":
+            result[name]["p99_ms_per_second"] = p99_per_second(mine, secs)
+        begin += secs
     return result
 
 
 def soak(url: str, management: str, model: str, bodies: list[bytes], capacity: float, seconds: float,
          window: float = 60.0) -> dict:
     """0.8x capacity for `seconds`, reported per window of `window` seconds: latency and memory."""
+    started: list[float] = []
     with Memory(management, model) as memory:
-        records = open_loop(url, bodies, 0.8 * capacity, seconds)
-    windows = [{"from_s": k * window, **summary([r for r in records if k * window <= r[0] < (k + 1) * window], window),
-                **memory.between(k * window, (k + 1) * window)} for k in range(int(seconds // window))]
+        records = open_loop(url, bodies, [(0.8 * capacity, seconds)],
+                            on_start=lambda: started.append(time.perf_counter() - memory.start))
+    windows = [{"from_s": k * window, **summary([r for r in records if k * window <= r.sent < (k + 1) * window], window),
+                **memory.between(started[0] + k * window, started[0] + (k + 1) * window)}
+               for k in range(int(seconds // window))]
     return {"capacity": capacity, "rate": 0.8 * capacity, "seconds": seconds, "windows": windows}
 
 
@@ -451,14 +502,14 @@ def fault(url: str, management: str, model: str, bodies: list[bytes], capacity: 
     before = worker_pids(management, model)
     report: dict = {}
     timer = threading.Timer(lead, lambda: report.update(inject(before)))
-    t0 = time.time()
-    timer.start()
-    records = open_loop(url, bodies, 0.8 * capacity, seconds)
+    started: list[float] = []
+    records = open_loop(url, bodies, [(0.8 * capacity, seconds)],
+                        on_start=lambda: (started.append(time.time()), timer.start()))
     timer.join()
-    at = report.pop("at") - t0  # the fault, in the open loop's seconds
-    failed = [(sent - at, ms, status) for sent, ms, status, _ in records if status != 200]
-    new = [sent + ms / 1e3 - at for sent, ms, status, worker in records
-           if status == 200 and worker and worker not in before and sent >= at]
+    at = report.pop("at") - started[0]  # the fault, in the open loop's seconds
+    failed = [(r.sent - at, r.ms, r.status) for r in records if r.status != 200]
+    new = [r.sent + r.ms / 1e3 - at for r in records
+           if r.status == 200 and r.worker and r.worker not in before and r.sent >= at]
     return {"capacity": capacity, "rate": 0.8 * capacity, "seconds": seconds, "fault_at_s": at, **report,
             "workers_before": before, "workers_after": worker_pids(management, model),
             "requests": len(records), "failed": len(failed),
@@ -466,7 +517,7 @@ def fault(url: str, management: str, model: str, bodies: list[bytes], capacity: 
             "failed_statuses": dict(Counter(str(s) for _, _, s in failed)),
             "last_failure_answered_s": max((t + ms / 1e3 for t, ms, _ in failed), default=None),
             "first_answer_by_a_new_worker_s": min(new, default=None),
-            "statuses_per_second": [dict(Counter(str(s) for sent, _, s, _ in records if k <= sent < k + 1))
+            "statuses_per_second": [dict(Counter(str(r.status) for r in records if k <= r.sent < k + 1))
                                     for k in range(int(seconds))],
             "p99_ms_per_second": p99_per_second(records, seconds)}
 

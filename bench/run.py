@@ -273,7 +273,7 @@ def main() -> None:
                 log(f"SKIPPED {e}")
         model_log = server_dir / "logs" / "model_log.log"  # what each worker's load and capture took
         for line in model_log.read_text(errors="replace").splitlines() if model_log.exists() else []:
-            if "loaded a" in line or "GPU memory reserved" in line:
+            if "loaded a" in line or "graph package loaded" in line or "GPU memory reserved" in line:
                 log(line[-220:])
         bodies = {w.name: TextMaker(tokenizers[w.name], seed=1).requests(w, args.requests) for w in workloads.values()}
         serving = {w.name: [d for d in deployments if d in ready and d.name.startswith(f"{d.system}_{w.model}_")]

@@ -126,10 +126,10 @@ class SlmHandler:
         replay = self.engine.context.replay
         cuda = self.engine.device.type == "cuda"
         mps = cuda and mps_running()
-        log.info("loaded a %s task on %s in %.1f s: %s CUDA graphs, %d worker(s) of batch %d, NVIDIA MPS: %s",
-                 self.engine.task.kind, self.engine.device, time.perf_counter() - start,
-                 len(replay.graphs) if replay is not None else "no", serving.workers, serving.batch,
-                 "on" if mps else "off")
+        log.info("loaded a %s task on %s in %.1f s: %s CUDA graphs (captured in %.1f s), %d worker(s) of batch %d, "
+                 "NVIDIA MPS: %s", self.engine.task.kind, self.engine.device, time.perf_counter() - start,
+                 len(replay.graphs) if replay is not None else "no", replay.capture_s if replay is not None else 0.0,
+                 serving.workers, serving.batch, "on" if mps else "off")
         if cuda:
             log.info("GPU memory reserved %.2f GiB, host peak RSS %.2f GiB",
                      torch.cuda.memory_reserved(self.engine.device) / 2**30,

@@ -8,6 +8,7 @@ A worker imports only serve-time code: the compiled graph replaces the Python mo
 import atexit
 import contextlib
 import fcntl
+import logging
 import os
 import shutil
 import tempfile
@@ -24,6 +25,7 @@ from slm_core.serve.replay import CudaGraphs
 from slm_core.spec import TaskSpec
 from slm_core.tasks import Task, task_for
 
+log = logging.getLogger(__name__)
 SCRATCH = "slm-aoti"  # under TMPDIR, one root per user: one directory per process that loads packages
 _mine: tuple[Path, object] | None = None  # this process's directory and the lock it holds on it
 
@@ -55,7 +57,9 @@ def serving_engine(path: str, task: Task, device: torch.device, cuda_graphs: boo
     captured now, in the engine's request context."""
     engine = engine or Engine
     # CUDA-graph capture needs the package's runner loaded single-threaded; AOTI takes no None index
+    start = time.perf_counter()
     graph = load_graph(path, run_single_threaded=cuda_graphs, device_index=device.index)
+    log.info("graph package loaded on %s in %.1f s", device, time.perf_counter() - start)
     if not cuda_graphs:
         return engine(graph, task, device)
     served = engine(graph, task, device)

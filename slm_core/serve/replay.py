@@ -20,6 +20,7 @@ one memory pool: a context runs one call at a time and reads its outputs before 
 
 import itertools
 import logging
+import time
 
 import torch
 
@@ -112,6 +113,7 @@ class CudaGraphs:
         self.constants = constants  # the engine's device tensors: the same for every call
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, object]] = {}
         self.pool = None
+        self.capture_s = 0.0  # what capture() took: most of a worker's load
 
     def __call__(self, ids: torch.Tensor, cu: torch.Tensor, options: torch.Tensor | None, sequences: int, tokens: int):
         """The graph's outputs (device tensors, valid until the next call) for the packed call in
@@ -132,6 +134,7 @@ class CudaGraphs:
         """Capture every bucket of bucket_grid on `stream` (the request context's), with calls of
         token ids 1 in even sequences; returns how many graphs it holds. If a capture fails
         (something in the graph cannot be captured), none is kept: the engine runs without them."""
+        start = time.perf_counter()
         with torch.inference_mode(), torch.cuda.stream(stream):
             try:
                 for n, t in bucket_grid(self.task):
@@ -147,6 +150,7 @@ class CudaGraphs:
                 log.warning("CUDA graph capture failed, running without CUDA graphs: %s", e)
                 self.graphs.clear()
         torch.cuda.synchronize(self.device)
+        self.capture_s = time.perf_counter() - start
         return len(self.graphs)
 
     def _capture(self, n: int, t: int, stream: torch.cuda.Stream):

@@ -179,6 +179,50 @@ def test_loadgen_averages_the_handler_headers_and_keeps_the_first_refusal():
     assert (point.handler_ms, point.graph_ms, point.call_batch) == (3.0, 2.0, 2.0)
 
 
+def test_the_open_loop_sends_every_phase_on_schedule_from_several_processes():
+    """bench.reliability.open_loop: the phases' rates back to back, each request once, at the time
+    it is due, split between the generator processes; each body in turn; per request its status,
+    the worker named in X-Slm-Worker and how late it was sent; on_start runs as the schedule starts."""
+    import http.server
+    import threading
+    import time
+
+    from bench.reliability import open_loop
+
+    seen: list[bytes] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        disable_nagle_algorithm = True
+
+        def do_POST(self):
+            seen.append(self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(200 if seen[-1] != b"3" else 503)
+            self.send_header("X-Slm-Worker", "w1")
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    started: list[float] = []
+    try:
+        records = open_loop(f"http://127.0.0.1:{server.server_port}/", [b"0", b"1", b"2", b"3"],
+                            [(20, 1.0), (40, 0.5)], processes=3, on_start=lambda: started.append(time.perf_counter()))
+        took = time.perf_counter() - started[0]
+    finally:
+        server.shutdown()
+    assert [round(r.sent, 6) for r in records] == [round(i / 20, 6) for i in range(20)] + \
+        [round(1 + i / 40, 6) for i in range(20)]
+    assert sorted(seen) == sorted([b"0", b"1", b"2", b"3"] * 10)  # 40 requests, each body in turn
+    assert [r.status for r in records].count(503) == 10 and {r.worker for r in records} == {"w1"}
+    assert all(r.ms > 0 and r.lag_ms > -1 for r in records)
+    assert 1.45 < took < 10
+
+
 def test_reliability_judges_answers_under_load_against_the_answer_alone():
     """bench.reliability: a valid request's answer under load is compared with its answer alone,
     exactly (1e-5, the CPU default) or within its package's compiled-against-eager tolerance
