@@ -2,7 +2,7 @@
 JSON) for a batch of workload requests, with a stub graph that returns outputs of the right
 shapes at once. It measures what a GPU call waits on in the worker, on any machine.
 
-    python -m bench.cpu_path --tokenizer bench/assets/tokenizer.json [--batches 1,2,4] [--workloads W3,W2,W1]
+    python -m bench.cpu_path --tokenizer bench/assets/tokenizer.json [--batches 1,2,4] [--workloads W3,W2,W1,W1e]
 """
 
 import argparse
@@ -22,16 +22,19 @@ from slm_core.tasks import Task, task_for
 
 class StubGraph(torch.nn.Module):
     """A graph's outputs for the packed batch in the shapes of the task's signature, with no
-    model: a row per text, or beam candidates of token ids below `vocab`."""
+    model: a row per text (of the labels, or of `hidden` values for an embedding), or beam
+    candidates of token ids below `vocab`."""
 
-    def __init__(self, task: Task, vocab: int):
+    def __init__(self, task: Task, vocab: int, hidden: int):
         super().__init__()
-        self.task, self.vocab = task, vocab
+        self.task, self.vocab, self.hidden = task, vocab, hidden
 
     def forward(self, ids: torch.Tensor, cu: torch.Tensor, *options: torch.Tensor):
         n, g = cu.shape[0] - 1, torch.Generator().manual_seed(0)
         if self.task.api == "score":
             return torch.rand(n, len(self.task.labels), generator=g)
+        if self.task.api == "embed":
+            return torch.rand(n, self.hidden, generator=g)
         w, k = self.task.width, self.task.new_tokens
         return torch.randint(0, self.vocab, (n, w, k), generator=g), torch.full((n, w), k), -torch.rand(n, w, generator=g)
 
@@ -48,7 +51,7 @@ def main() -> None:
         workload = WORKLOADS[name]
         batches = [int(b) for b in args.batches.split(",")]
         task = task_for(TaskSpec.from_dict({**workload.task, "max_batch": max(batches)}), tokenizer)
-        engine = Engine(StubGraph(task, tokenizer.get_vocab_size()), task, "cpu")
+        engine = Engine(StubGraph(task, tokenizer.get_vocab_size(), workload.arch["hidden_size"]), task, "cpu")
         bodies = [Request({"body": json.dumps(b).encode()})
                   for b in TextMaker(tokenizer, seed=2).requests(workload, max(batches))]
         for b in batches:

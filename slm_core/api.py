@@ -2,7 +2,7 @@
 
     eng = Engine.from_checkpoint("ckpt-dir-or.gguf", task="task.yaml", device="cpu")
     eng.score(["text a", "text b"])  # [[p_label0, p_label1, ...], ...]
-    eng.embed(["text a", "text b"])  # [[x0, x1, ...], ...]: a head: embedding task
+    eng.embed(["text a", "text b"])  # float32 array [texts, dims]: a head: embedding task
     eng.beam("a prompt")             # [{"text", "token_ids", "score"}, ...] best first
     eng.beam("a prompt", beam_width=10, top=3, exclude=["sku-1"])   # a request's settings; catalog
                                      # tasks answer each candidate's item "id" too
@@ -11,6 +11,8 @@
 
 from pathlib import Path
 from typing import Any, Mapping
+
+import numpy as np
 
 from slm_core.build.checkpoint import load_checkpoint
 from slm_core.build.eager import eager_engine
@@ -27,9 +29,10 @@ class Engine(engine.Engine):
         self._check("score")
         return self.run_one(texts)
 
-    def embed(self, texts: list[str]) -> list[list[float]]:
-        """One embedding per text, in order: its last token's hidden state after the final norm,
-        FP32, cut to the task's dims and L2-normalised if the task says so."""
+    def embed(self, texts: list[str]) -> np.ndarray:
+        """One embedding per text, in order, as a [texts, dims] float32 array: its last token's
+        hidden state after the final norm, cut to the task's dims and L2-normalised if the task
+        says so."""
         self._check("embed")
         return self.run_one(texts)
 

@@ -155,8 +155,8 @@ class Engine:
         return spans
 
     def _call(self, n: int, t: int) -> tuple[list, float]:
-        """The graph over the packed call of n sequences, t tokens: its outputs as host lists and
-        the milliseconds from copy-in to results on the host."""
+        """The graph over the packed call of n sequences, t tokens: its outputs on the host (as
+        Task.host makes them) and the milliseconds from copy-in to results on the host."""
         ctx = self.context
         start = time.perf_counter()
         with torch.inference_mode(), (torch.cuda.stream(ctx.stream) if ctx.stream else contextlib.nullcontext()):
@@ -164,5 +164,5 @@ class Engine:
             if out is None:
                 inputs = [ctx.ids[:t], ctx.cu[: n + 1]] + ([] if ctx.options is None else [ctx.options[:n]])
                 out = self.graph(*(x.to(self.device, non_blocking=True) for x in inputs), *self.constants)
-            outputs = [x.cpu().tolist() for x in ((out,) if isinstance(out, torch.Tensor) else out)]
+            outputs = [self.task.host(x.cpu()) for x in ((out,) if isinstance(out, torch.Tensor) else out)]
         return outputs, (time.perf_counter() - start) * 1e3

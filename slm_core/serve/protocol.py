@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+import numpy as np
 import orjson
 
 from slm_core.errors import DeviceLost, InputError, bounded, names
@@ -49,7 +50,7 @@ def encode(obj: Any) -> bytes:
     carry: a non-finite number (orjson writes it as null, so a reply holding null is checked) or a
     str UTF-8 cannot carry."""
     try:
-        out = orjson.dumps(obj)
+        out = orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
     except TypeError as e:  # orjson.JSONEncodeError
         raise ValueError(f"not JSON-serialisable: {e}") from None
     if b"null" in out and not _finite(obj):
@@ -60,6 +61,8 @@ def encode(obj: Any) -> bytes:
 def _finite(obj: Any) -> bool:
     if isinstance(obj, float):
         return math.isfinite(obj)
+    if isinstance(obj, np.ndarray):
+        return bool(np.isfinite(obj).all())
     if isinstance(obj, dict):
         return all(_finite(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):

@@ -152,10 +152,14 @@ class Task(ABC):
         package records it (file keys relative to the package)."""
         return self.spec
 
+    def host(self, output) -> Any:
+        """A graph output (a CPU tensor) as unpack() takes it: nested lists."""
+        return output.tolist()
+
     @abstractmethod
-    def unpack(self, outputs: list[list], first: int, count: int, value: Any = None) -> Any:
+    def unpack(self, outputs: list, first: int, count: int, value: Any = None) -> Any:
         """The CPU node after the graph: the answer of the request `value` whose sequences are
-        first..first+count-1, from the graph's outputs read back to host lists."""
+        first..first+count-1, from the graph's outputs on the host (host())."""
 
     @abstractmethod
     def body(self, answer: Any) -> dict:

@@ -44,14 +44,14 @@ def test_cpu_path_times_the_handlers_work_around_a_stub_graph(smollm2, tmp_path,
 
     smollm2[1].tokenizer.save(str(tmp_path / "tokenizer.json"))
     monkeypatch.setattr(sys, "argv", ["cpu_path", "--tokenizer", str(tmp_path / "tokenizer.json"),
-                                      "--workloads", "W2,W1", "--batches", "1,2", "--calls", "2"])
+                                      "--workloads", "W2,W1,W1e", "--batches", "1,2", "--calls", "2"])
     cpu_path.main()
     lines = capsys.readouterr().out.splitlines()
-    assert [l.split(":")[0] for l in lines] == ["W2 batch of 1", "W2 batch of 2", "W1 batch of 1", "W1 batch of 2"]
+    assert [l.split(":")[0] for l in lines] == [f"{w} batch of {b}" for w in ("W2", "W1", "W1e") for b in (1, 2)]
     assert all(float(l.split(": ")[1].split()[0]) > 0 for l in lines)
     tokenizer = smollm2[1].tokenizer
     task = task_for(TaskSpec.from_dict({**WORKLOADS["W2"].task, "max_batch": 2}), tokenizer)
-    engine = cpu_path.Engine(cpu_path.StubGraph(task, tokenizer.get_vocab_size()), task, "cpu")
+    engine = cpu_path.Engine(cpu_path.StubGraph(task, tokenizer.get_vocab_size(), 896), task, "cpu")
     replies = respond_batch(engine, [Request({"body": b'{"prompt": "a question"}'}), Request({"body": b'{"prompt": 3}'})])
     assert [r.status for r in replies] == [200, 400] and len(json.loads(replies[0].body)["candidates"]) == 100
 

@@ -169,3 +169,20 @@ def test_reply_encoding_is_compact_json_and_refuses_what_json_cannot_carry():
             encode({"candidates": [{"score": -1.0}, {"score": bad, "id": None}]})
     with pytest.raises(ValueError, match="not JSON-serialisable"):
         encode({"text": "\ud800"})
+
+
+def test_float32_rows_are_written_as_the_shortest_decimal_of_each_float32():
+    """An embedding answer (a float32 array) is written value by value as the shortest decimal
+    that reads back as the same float32, far shorter than the float64 of the same value; a NaN or
+    infinity in it is refused as in lists."""
+    import numpy as np
+
+    from slm_core.serve.protocol import encode
+
+    rows = np.random.default_rng(0).standard_normal((3, 64)).astype(np.float32)
+    out = encode({"embeddings": rows})
+    assert np.array(json.loads(out)["embeddings"], dtype=np.float32).tobytes() == rows.tobytes()
+    assert len(out) < 0.7 * len(encode({"embeddings": rows.tolist()}))
+    rows[1, 5] = np.inf
+    with pytest.raises(ValueError, match="non-finite"):
+        encode({"embeddings": rows})
