@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
 """Readiness of one replica, for the container's readiness probe: every archive in the model
-store is registered and has at least one READY worker. TorchServe's /ping says Healthy as soon as
-the server is up, while workers may still be loading (a CUDA worker captures its graphs for a
-minute); a replica that takes traffic then queues it.
+store is registered and has at least one READY worker, and the replica is not draining
+(deploy/drain.py). TorchServe's /ping says Healthy as soon as the server is up, while workers may
+still be loading (a CUDA worker loads for about a minute); a replica that takes traffic then
+queues it.
 
     python3 deploy/ready.py     # exit 0 when ready; else 1, with what is not ready on stderr
 
 Settings (environment, defaults in brackets): MODEL_STORE [/models/model-store], MANAGEMENT
-[http://127.0.0.1:8081: the management address of deploy/config.properties]. The standard
-library only, and one request per model: it runs every few seconds.
+[http://127.0.0.1:8081: the management address of deploy/config.properties], DRAIN_FILE
+[$TMPDIR/slm-draining: drain.py's]. The standard library only, and one request per model: it
+runs every few seconds.
 """
 
 import json
@@ -18,10 +20,14 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from drain import drain_file  # deploy/drain.py, beside this file
+
 
 def not_ready(store: Path, management: str, timeout: float = 2.0) -> list[str]:
-    """What keeps the replica from being ready: a model of the store not registered, or without a
-    READY worker (empty: ready)."""
+    """What keeps the replica from being ready: a drain begun, a model of the store not
+    registered, or without a READY worker (empty: ready)."""
+    if drain_file().exists():
+        return [f"draining ({drain_file()} exists): the replica is stopping"]
     names = sorted(p.stem for p in store.glob("*.mar"))
     if not names:
         return [f"no archive in {store}"]

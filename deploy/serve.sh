@@ -13,6 +13,7 @@
 #   TS_CONFIG [config.properties beside this script]   PYTHON [python3]
 #   BUILD_ONLY [0]                    1: build, then exit 0 instead of serving
 #   MPS [1]                           on CUDA, start NVIDIA's MPS daemon before TorchServe (0: don't)
+#   DRAIN_QUIET [2], DRAIN_TIMEOUT [25]   on SIGTERM: deploy/drain.py's (below)
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -82,15 +83,37 @@ if [[ $BUILD_ONLY == 1 ]]; then
 fi
 # The workers sharing this GPU run their kernels side by side under NVIDIA's Multi-Process Service;
 # without it the GPU time-slices between them (README.md, Serving on a GPU). The daemon must run
-# before the first worker starts. Where the NVIDIA runtime mounts no nvidia-cuda-mps-control, or
-# one runs already, the workers' log says whether they got it ("NVIDIA MPS: on").
+# before the first worker starts. Its pipe and log directories default to /tmp/nvidia-mps and
+# /var/log/nvidia-mps, which the image's non-root user cannot create: they go under TMPDIR, and
+# the workers find the daemon through the same CUDA_MPS_PIPE_DIRECTORY. No daemon on CUDA is an
+# error (2), since every worker would then time-slice the GPU: MPS=0 serves without it on purpose.
 if [[ $DEVICE == cuda* && $MPS == 1 ]]; then
-  if command -v nvidia-cuda-mps-control >/dev/null; then
-    nvidia-cuda-mps-control -d || echo "serve.sh: nvidia-cuda-mps-control -d failed (one runs already?)"
-  else
-    echo "serve.sh: no nvidia-cuda-mps-control here: the workers will time-slice the GPU"
+  export CUDA_MPS_PIPE_DIRECTORY=${CUDA_MPS_PIPE_DIRECTORY:-${TMPDIR:-/tmp}/nvidia-mps}
+  export CUDA_MPS_LOG_DIRECTORY=${CUDA_MPS_LOG_DIRECTORY:-${TMPDIR:-/tmp}/nvidia-mps-log}
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  command -v nvidia-cuda-mps-control >/dev/null ||
+    refuse "no nvidia-cuda-mps-control here (the NVIDIA container runtime mounts it with the compute capability): MPS=0 serves without it, the workers time-slicing the GPU"
+  if ! nvidia-cuda-mps-control -d; then
+    # one may run already for this pipe directory: it answers then
+    echo get_server_list | nvidia-cuda-mps-control >/dev/null ||
+      refuse "nvidia-cuda-mps-control -d failed (its log: $CUDA_MPS_LOG_DIRECTORY/control.log); MPS=0 serves without it"
   fi
+  echo "serve.sh: NVIDIA MPS daemon up, pipes in $CUDA_MPS_PIPE_DIRECTORY"
 fi
 # TorchServe's metrics as the repository's metrics.yaml declares them (QueueTime as a histogram)
 export TS_METRICS_CONFIG=${TS_METRICS_CONFIG:-$here/../metrics.yaml}
-exec torchserve --start --foreground --ncs --ts-config "$TS_CONFIG" --model-store "$MODEL_STORE" --models all
+# SIGTERM (Kubernetes, docker stop) drains before stopping: deploy/drain.py marks the replica
+# unready (ready.py), waits until no request arrives and the queues are empty, then TorchServe
+# stops with nothing in flight. TorchServe's own SIGTERM handling resets the requests in flight.
+python3 "$here/drain.py" --clear  # a replica that starts is not draining
+torchserve --start --foreground --ncs --ts-config "$TS_CONFIG" --model-store "$MODEL_STORE" --models all &
+server=$!
+stop() {
+  trap - TERM INT
+  python3 "$here/drain.py" --config "$TS_CONFIG" || true
+  torchserve --stop || kill -TERM "$server" 2>/dev/null || true
+  wait "$server" || true
+  exit 0
+}
+trap stop TERM INT
+wait "$server"

@@ -1,5 +1,6 @@
 """deploy/serve.sh as a replica runs it, through a real TorchServe (CPU, the demo's archive)."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -21,7 +22,10 @@ def test_serves_the_real_archive_it_finds(tmp_path, demo):
     its model store (building is the stand-in tests' part): it does not build, then serves it with
     the deploy config (its ports moved to free ones). The readiness probe (deploy/ready.py) says
     ready once the model has a READY worker, and a request then is answered at once; /metrics
-    answers; a store archive TorchServe does not serve keeps the probe not ready."""
+    answers; a store archive TorchServe does not serve keeps the probe not ready. Then SIGTERM
+    to serve.sh alone, as Kubernetes sends it, under load: the probe says draining at once, the
+    load stops as the Service would stop sending, every request sent is answered 200, and
+    serve.sh exits 0 once TorchServe has stopped."""
     from conftest import smollm2_path
 
     (tmp_path / "tasks").mkdir()
@@ -40,7 +44,8 @@ def test_serves_the_real_archive_it_finds(tmp_path, demo):
     (tmp_path / "ts.properties").write_text("".join(f"{k}={v}\n" for k, v in config.items()))
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "tmp").mkdir()
-    serve = {**env, "BUILD_ONLY": "0", "TS_CONFIG": str(tmp_path / "ts.properties"),
+    drain_file = str(tmp_path / "run" / "draining")  # the container's one TMPDIR, as serve.sh and the probe share it
+    serve = {**env, "BUILD_ONLY": "0", "TS_CONFIG": str(tmp_path / "ts.properties"), "DRAIN_FILE": drain_file,
              "TMPDIR": str(tmp_path / "run" / "tmp"), "LOG_LOCATION": str(tmp_path / "run" / "logs"),
              "METRICS_LOCATION": str(tmp_path / "run" / "logs")}
     log = open(tmp_path / "run" / "stdout.log", "wb")
@@ -49,7 +54,8 @@ def test_serves_the_real_archive_it_finds(tmp_path, demo):
 
     def ready(store: Path) -> subprocess.CompletedProcess:  # the readiness probe, as the manifests run it
         return subprocess.run([sys.executable, str(DEPLOY / "ready.py")], capture_output=True, text=True, timeout=30,
-                              env={**os.environ, "MODEL_STORE": str(store), "MANAGEMENT": f"http://127.0.0.1:{management}"})
+                              env={**os.environ, "MODEL_STORE": str(store), "MANAGEMENT": f"http://127.0.0.1:{management}",
+                                   "DRAIN_FILE": drain_file})
 
     try:
         start, healthy, deadline = time.monotonic(), None, time.monotonic() + 300
@@ -85,10 +91,57 @@ def test_serves_the_real_archive_it_finds(tmp_path, demo):
         assert status == 200 and b"ts_inference_requests_total" in body
         # metrics.yaml through serve.sh: TorchServe's queue wait as a histogram
         assert b"QueueTime_bucket" in body and b"SlmGraphCallSeconds_bucket" in body
+        drain_under_load(proc, f"http://127.0.0.1:{inference}/predictions/smollm2_intent",
+                         lambda: ready(tmp_path / "store"), tmp_path / "run" / "stdout.log")
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # what the drain's stop left, if anything
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
+
+
+def drain_under_load(proc: subprocess.Popen, url: str, ready, log: Path) -> None:
+    """SIGTERM to serve.sh while two clients send requests back to back. A stand-in for the
+    Service stops sending 0.5 s after the probe first says draining (the endpoint update). Every
+    request sent gets its 200; serve.sh says it drained and exits 0."""
+    import threading
+
+    body = json.dumps({"texts": ["cheap flights to rome", "iphone case"]}).encode()
+    statuses: list = []
+    sending = threading.Event()
+    sending.set()
+
+    def client():
+        while sending.is_set():
+            try:
+                statuses.append(http("POST", url, body, {"Content-Type": "application/json"}, timeout=30)[0])
+            except OSError as e:  # a reset or refused connection: a request lost
+                statuses.append(repr(e))
+
+    clients = [threading.Thread(target=client) for _ in range(2)]
+    for c in clients:
+        c.start()
+    time.sleep(1.0)
+    os.kill(proc.pid, signal.SIGTERM)  # serve.sh only, as the kubelet signals the container's first process
+    start = time.monotonic()
+    while time.monotonic() - start < 10:
+        probe = ready()
+        if probe.returncode == 1 and "draining" in probe.stderr:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the probe never said draining: {probe.stderr}")
+    time.sleep(0.5)
+    sending.clear()
+    for c in clients:
+        c.join()
+    code = proc.wait(timeout=90)
+    text = log.read_text(errors="replace")
+    print(f"\ndrain: {len(statuses)} requests under load, stopped {time.monotonic() - start:.1f} s after SIGTERM")
+    assert statuses and all(s == 200 for s in statuses), [s for s in statuses if s != 200][:5]
+    assert code == 0 and "drained" in text, text[-2000:]

@@ -3,6 +3,7 @@ as the formula counts them, deployments configured through the archiver, the rep
 generator, the reliability judge, the profile and the CPU-path tool (tests/e2e/test_bench_smoke.py
 runs the whole harness). No timing is asserted."""
 
+import contextlib
 import json
 import math
 import statistics
@@ -134,36 +135,24 @@ def test_report_labels_name_each_build_and_serving_option():
     assert label({**old, "attention": "triton"}) == "slm (triton, batch 8)"  # records from before "kernels"
 
 
-def test_loadgen_averages_the_handler_headers_and_keeps_the_first_refusal():
-    """bench.loadgen against a stand-in server whose every fourth answer refuses: the point
-    averages the X-Slm-* timings of the answers, counts the refusals and keeps the first one's words."""
+@contextlib.contextmanager
+def stand_in_server(respond):
+    """A local HTTP/1.1 server whose every POST is answered by respond(body) -> (status, headers,
+    payload); yields its URL."""
     import http.server
-    import itertools
     import threading
-
-    from bench.loadgen import measure
-
-    calls = itertools.count()
 
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         disable_nagle_algorithm = True  # else headers and body wait on a delayed ACK: ~40 ms per request
 
         def do_POST(self):
-            self.rfile.read(int(self.headers["Content-Length"]))
-            n = next(calls)
-            if n % 4 == 3:
-                self.send_response(503)
-                self.send_header("Content-Length", "24")
-                self.end_headers()
-                self.wfile.write(b'{"error":"server busy"}\n')
-                return
-            self.send_response(200)
-            for key, value in (("Handler-Ms", "3.0"), ("Graph-Ms", "2.0"), ("Batch", "2")):
-                self.send_header(f"X-Slm-{key}", value)
-            self.send_header("Content-Length", "2")
+            status, headers, payload = respond(self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(status)
+            for key, value in {**headers, "Content-Length": str(len(payload))}.items():
+                self.send_header(key, value)
             self.end_headers()
-            self.wfile.write(b"{}")
+            self.wfile.write(payload)
 
         def log_message(self, *args):
             pass
@@ -171,9 +160,27 @@ def test_loadgen_averages_the_handler_headers_and_keeps_the_first_refusal():
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        point = measure(f"http://127.0.0.1:{server.server_port}/", [b"{}"], concurrency=1, warmup=0.0, duration=1.0)
+        yield f"http://127.0.0.1:{server.server_port}/"
     finally:
         server.shutdown()
+
+
+def test_loadgen_averages_the_handler_headers_and_keeps_the_first_refusal():
+    """bench.loadgen against a stand-in server whose every fourth answer refuses: the point
+    averages the X-Slm-* timings of the answers, counts the refusals and keeps the first one's words."""
+    import itertools
+
+    from bench.loadgen import measure
+
+    calls = itertools.count()
+
+    def respond(body):
+        if next(calls) % 4 == 3:
+            return 503, {}, b'{"error":"server busy"}\n'
+        return 200, {f"X-Slm-{k}": v for k, v in (("Handler-Ms", "3.0"), ("Graph-Ms", "2.0"), ("Batch", "2"))}, b"{}"
+
+    with stand_in_server(respond) as url:
+        point = measure(url, [b"{}"], concurrency=1, warmup=0.0, duration=1.0)
     assert point.completed >= 6 and point.errors >= 2  # CI ran 10 in 0.5 s with the delayed ACKs
     assert point.first_error == '503 {"error":"server busy"}\n'
     assert (point.handler_ms, point.graph_ms, point.call_batch) == (3.0, 2.0, 2.0)
@@ -183,38 +190,21 @@ def test_the_open_loop_sends_every_phase_on_schedule_from_several_processes():
     """bench.reliability.open_loop: the phases' rates back to back, each request once, at the time
     it is due, split between the generator processes; each body in turn; per request its status,
     the worker named in X-Slm-Worker and how late it was sent; on_start runs as the schedule starts."""
-    import http.server
-    import threading
     import time
 
     from bench.reliability import open_loop
 
     seen: list[bytes] = []
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        disable_nagle_algorithm = True
+    def respond(body):
+        seen.append(body)
+        return 200 if body != b"3" else 503, {"X-Slm-Worker": "w1"}, b"{}"
 
-        def do_POST(self):
-            seen.append(self.rfile.read(int(self.headers["Content-Length"])))
-            self.send_response(200 if seen[-1] != b"3" else 503)
-            self.send_header("X-Slm-Worker", "w1")
-            self.send_header("Content-Length", "2")
-            self.end_headers()
-            self.wfile.write(b"{}")
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
     started: list[float] = []
-    try:
-        records = open_loop(f"http://127.0.0.1:{server.server_port}/", [b"0", b"1", b"2", b"3"],
-                            [(20, 1.0), (40, 0.5)], processes=3, on_start=lambda: started.append(time.perf_counter()))
+    with stand_in_server(respond) as url:
+        records = open_loop(url, [b"0", b"1", b"2", b"3"], [(20, 1.0), (40, 0.5)], processes=3,
+                            on_start=lambda: started.append(time.perf_counter()))
         took = time.perf_counter() - started[0]
-    finally:
-        server.shutdown()
     assert [round(r.sent, 6) for r in records] == [round(i / 20, 6) for i in range(20)] + \
         [round(1 + i / 40, 6) for i in range(20)]
     assert sorted(seen) == sorted([b"0", b"1", b"2", b"3"] * 10)  # 40 requests, each body in turn

@@ -176,3 +176,103 @@ def test_refuses_without_tasks_or_checkpoint(tmp_path, what):
     assert result.returncode == 2
     assert {"tasks": "no task YAML in TASKS_DIR", "checkpoint": "no checkpoint at CHECKPOINT"}[what] in result.stderr
     assert not (tmp_path / "store").exists() or not any((tmp_path / "store").iterdir())
+
+
+def fake_tools(tmp_path: Path, mps: "str | None") -> str:
+    """A PATH of stand-ins: torchserve (logs CUDA_MPS_PIPE_DIRECTORY and exits), and
+    nvidia-cuda-mps-control unless `mps` is None (exits with status `mps`); python3 and the
+    system's tools after them."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    tools = {"torchserve": 'echo "torchserve $* pipes=$CUDA_MPS_PIPE_DIRECTORY" >> "$FAKE_LOG"'}
+    if mps is not None:
+        tools["nvidia-cuda-mps-control"] = f'echo "mps-control $*" >> "$FAKE_LOG"; exit {mps}'
+    for name, body in tools.items():
+        (bin_ / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
+        (bin_ / name).chmod(0o755)
+    return f"{bin_}:{Path(sys.executable).parent}:/usr/bin:/bin"
+
+
+@pytest.mark.parametrize("mps", ["0", "1", None], ids=["starts", "fails", "absent"])
+def test_mps_starts_under_tmpdir_or_the_replica_refuses_to_serve(fake, tmp_path, mps):
+    """On CUDA (MPS=1, the default) serve.sh starts NVIDIA's MPS daemon with its pipe and log
+    directories under TMPDIR (the image's user cannot create the defaults), and TorchServe's
+    workers get the same pipe directory; a daemon that cannot start, or no daemon binary, stops
+    the replica with 2 and says how to serve without it (MPS=0), instead of serving time-sliced."""
+    env, store = fake
+    store.mkdir()
+    (store / "smollm2-intent.mar").write_text("built\n")  # nothing to build
+    (tmp_path / "tmp").mkdir()
+    result = run_serve({**env, "DEVICE": "cuda", "BUILD_ONLY": "0", "TMPDIR": str(tmp_path / "tmp"),
+                        "PATH": fake_tools(tmp_path, mps)})
+    calls = Path(env["FAKE_LOG"]).read_text() if Path(env["FAKE_LOG"]).exists() else ""
+    if mps == "0":
+        assert result.returncode == 0, result.stderr
+        assert "mps-control -d" in calls and f"pipes={tmp_path / 'tmp' / 'nvidia-mps'}" in calls
+        assert (tmp_path / "tmp" / "nvidia-mps").is_dir() and (tmp_path / "tmp" / "nvidia-mps-log").is_dir()
+    else:
+        assert result.returncode == 2 and "MPS=0 serves without it" in result.stderr, result.stderr
+        assert "torchserve" not in calls
+    (tmp_path / "off").mkdir()
+    off = run_serve({**env, "DEVICE": "cuda", "BUILD_ONLY": "0", "MPS": "0", "TMPDIR": str(tmp_path / "tmp"),
+                     "PATH": fake_tools(tmp_path / "off", None)})
+    assert off.returncode == 0, off.stderr  # MPS=0: served without a daemon, on purpose
+
+
+KSERVE_ONLY = {"minReplicas", "maxReplicas", "scaleMetric", "scaleTarget"}  # PredictorSpec's own fields
+
+
+def kubernetes_documents() -> list[dict]:
+    """Every Kubernetes object the manifests hold, and the InferenceService's predictor as the Pod
+    it becomes (KServe's PredictorSpec inlines a PodSpec beside its own scaling fields)."""
+    docs = [d for name in ("k8s.yaml", "networkpolicy.yaml") for d in yaml.safe_load_all((DEPLOY / name).read_text())]
+    [isvc] = yaml.safe_load_all((DEPLOY / "kserve.yaml").read_text())
+    pod = {k: v for k, v in isvc["spec"]["predictor"].items() if k not in KSERVE_ONLY}
+    return docs + [{"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "slm-serve-predictor"}, "spec": pod}]
+
+
+def test_manifests_validate_against_the_kubernetes_schema():
+    """kubernetes-validate, strict (no unknown field), at the newest Kubernetes it knows: each
+    object, and the KServe predictor's pod spec; a misspelt field fails it."""
+    import kubernetes_validate
+
+    version = kubernetes_validate.latest_version()
+    docs = kubernetes_documents()
+    assert [d["kind"] for d in docs] == ["Deployment", "Service", "NetworkPolicy", "NetworkPolicy", "Pod"]
+    for doc in docs:
+        kubernetes_validate.validate(doc, version, strict=True)
+    broken = next(yaml.safe_load_all((DEPLOY / "k8s.yaml").read_text().replace("terminationGracePeriodSeconds",
+                                                                                "terminationGracePeriod")))
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, version, strict=True)
+
+
+def test_network_policies_select_the_pods_and_admit_their_ports():
+    """Each manifest's pods are selected by one policy, which admits exactly the container ports
+    (inference, metrics)."""
+    policies = list(yaml.safe_load_all((DEPLOY / "networkpolicy.yaml").read_text()))
+    deployment = next(yaml.safe_load_all((DEPLOY / "k8s.yaml").read_text()))
+    [isvc] = yaml.safe_load_all((DEPLOY / "kserve.yaml").read_text())
+    pod_labels = [deployment["spec"]["template"]["metadata"]["labels"],
+                  {"serving.kserve.io/inferenceservice": isvc["metadata"]["name"]}]
+    for policy, labels in zip(policies, pod_labels):
+        assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+        ports = sorted(p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"])
+        assert ports == [INFERENCE_PORT, METRICS_PORT]
+
+
+@pytest.mark.parametrize("index", [0, 1], ids=["kserve", "k8s"])
+def test_a_stop_drains_within_the_grace_period_and_disk_is_bounded(index):
+    """SIGTERM reaches serve.sh alone (tini without -g), which drains for up to DRAIN_TIMEOUT s
+    before TorchServe stops: the pod's grace period leaves room for both. Ephemeral storage is
+    requested and limited, and the emptyDir store is bounded inside that limit."""
+    pod, _ = replicas()[index]
+    [container] = pod["containers"]
+    entry = re.search(r"^ENTRYPOINT (.+)$", (DEPLOY / "Dockerfile").read_text(), re.M)[1]
+    assert '"-g"' not in entry and "tini" in entry
+    drain_timeout = float(re.search(r"DRAIN_TIMEOUT\", \"(\d+)\"", (DEPLOY / "drain.py").read_text())[1])
+    assert pod["terminationGracePeriodSeconds"] >= drain_timeout + 15
+    limits, requests = container["resources"]["limits"], container["resources"]["requests"]
+    assert int(requests["ephemeral-storage"][:-2]) <= int(limits["ephemeral-storage"][:-2])
+    [store] = [v for v in pod["volumes"] if v["name"] == "model-store"]
+    assert int(store["emptyDir"]["sizeLimit"][:-2]) < int(limits["ephemeral-storage"][:-2])
