@@ -181,7 +181,7 @@ class FakeCuda:
         monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 0)
         monkeypatch.setattr(loader, "load_graph", lambda path, **kw: self.record("load", kw) or "graph")
         monkeypatch.setattr(loader, "CudaGraphs", lambda graph, task, device, constants: self.record("replay", device) or
-                            SimpleNamespace(graphs={}, capture=lambda stream: self.record("capture", stream)))
+                            SimpleNamespace(graphs={}, capture_s=0.0, capture=lambda stream: self.record("capture", stream)))
         monkeypatch.setattr(loader, "Engine", lambda graph, task, device, replay=None:
                             self.record("engine", (graph, device)) or
                             SimpleNamespace(task=task, device=device, constants=(),
