@@ -113,7 +113,7 @@ class CudaGraphs:
         self.constants = constants  # the engine's device tensors: the same for every call
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, object]] = {}
         self.pool = None
-        self.capture_s = 0.0  # what capture() took: most of a worker's load
+        self.capture_s = 0.0  # what capture() took: the handler logs it beside the whole load
 
     def __call__(self, ids: torch.Tensor, cu: torch.Tensor, options: torch.Tensor | None, sequences: int, tokens: int):
         """The graph's outputs (device tensors, valid until the next call) for the packed call in
