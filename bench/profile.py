@@ -14,6 +14,8 @@ import torch
 from tokenizers import Tokenizer
 
 from bench.workloads import WORKLOADS, TextMaker
+from slm_core import manifest
+from slm_core.build.checks import time_calls
 from slm_core.serve.loader import load_package
 from slm_core.serve.protocol import Request, respond_batch
 
@@ -54,6 +56,10 @@ def main() -> None:
     }
     graph_ms = [respond_batch(engine, batch)[0].stats.graph_ms for _ in range(args.repeat)]
     parts["graph_ms (copy-in + graph + copy-out)"] = sum(graph_ms) / len(graph_ms)
+    # the build's timing of calls at the token bounds, here with the GPU to itself: what the
+    # archive's admission would plan with on a quiet GPU, against the manifest's call_ms
+    parts["calls_at_the_bounds_ms (per requests in the call)"] = time_calls(engine)
+    parts["build_call_ms (the manifest's)"] = manifest.read(args.package).get("call_ms")
 
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():

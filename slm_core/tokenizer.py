@@ -8,9 +8,13 @@ encode differently alone than in the whole string (a Metaspace pre-tokenizer tha
 string's start, say), such a text is refused instead.
 """
 
+import json
+
 import tokenizers
 
+from slm_core.byte_table import ByteTable
 from slm_core.errors import InputError, SpecError, json_type
+from slm_core.pieces import Pieces
 
 PROBES = ("probe", " two words, 12", "x\ny")  # texts without special tokens: the piecewise path must equal the whole
 
@@ -27,12 +31,16 @@ class PackedTokenizer:
         # No token decodes to more characters than its vocabulary spelling has, so a text longer
         # than bound × longest spelling cannot fit: refuse it before spending time tokenizing it.
         self._longest_token = max(len(t) for t in tokenizer.get_vocab(with_added_tokens=True))
+        serialized = tokenizer.to_str()
+        config = json.loads(serialized)
+        self._pieces = Pieces(tokenizer, config)
+        self._bytes = ByteTable(tokenizer, config)
         self._specials = {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
         self._escape = bool(self._specials) and not allow_special_tokens
         if self._escape:
             # the template's own special tokens, counted with a stand-in text that spells none
             self._template_specials = self._count_specials(self.tokenizer.encode(self.apply_template("x")).ids)
-            self._literal = tokenizers.Tokenizer.from_str(tokenizer.to_str())  # special tokens as plain text
+            self._literal = tokenizers.Tokenizer.from_str(serialized)  # special tokens as plain text
             self._literal.encode_special_tokens = True
             self._segments = self._template_segments()
             whole = [enc.ids for enc in self.tokenizer.encode_batch_fast([self.apply_template(p) for p in PROBES])]
@@ -80,10 +88,13 @@ class PackedTokenizer:
                              f"at character {e.start}") from None
 
     def encode(self, texts: list[str]) -> "list[list[int] | InputError]":
-        """Each text's token ids with the template, in one parallel pass. A text that spells a
-        special token is tokenized again, literally, or refused where this tokenizer's pieces do
-        not encode as the whole does (allow_special_tokens: taken as it is)."""
-        ids: list = [enc.ids for enc in self.tokenizer.encode_batch_fast([self.apply_template(s) for s in texts])]
+        """Each text's token ids with the template, in one parallel pass: long texts in pieces
+        where the tokenizer allows (slm_core.pieces). A text that spells a special token is
+        tokenized again, literally, or refused where this tokenizer's template pieces do not encode
+        as the whole does (allow_special_tokens: taken as it is)."""
+        templated = [self.apply_template(s) for s in texts]
+        ids: list = (self._pieces.encode(templated) if self._pieces.usable else
+                     [enc.ids for enc in self.tokenizer.encode_batch_fast(templated)])
         if self._escape:
             for i, text in enumerate(texts):
                 if self._count_specials(ids[i]) != self._template_specials:
@@ -96,9 +107,12 @@ class PackedTokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def decode_each(self, sequences: list[list[int]]) -> list[str]:
-        """decode of each sequence. One at a time on purpose: decode_batch hands them to the
+        """decode of each sequence: by the table of token bytes where the decoder is byte-level
+        (slm_core.byte_table), else one at a time, since decode_batch hands them to the
         tokenizer's threads, which take longer to wake than a call's 100-400 short candidates take
         to decode."""
+        if self._bytes.usable:
+            return self._bytes.decode_each(sequences)
         decode = self.tokenizer.decode
         return [decode(ids, skip_special_tokens=True) for ids in sequences]
 

@@ -6,13 +6,13 @@ loader (slm_core.build.model.Transformer.load_hf_weights) fuses them whatever th
 
 import json
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from slm_core.byte_table import byte_alphabet
 from slm_core.errors import SpecError
 from slm_core.spec import ARCHITECTURES, ModelSpec, RopeSpec
 
@@ -181,28 +181,13 @@ _GGUF_SPLITS = {
 }
 
 
-@lru_cache(maxsize=1)
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's byte -> printable character map (byte-level BPE spells every token with it)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    printable += list(range(ord("®"), ord("ÿ") + 1))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
-
-
 def _gguf_tokenizer(meta: dict) -> Tokenizer:
     """The byte-level BPE a GGUF describes, built the way transformers' GGUF loader builds it."""
     kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
     if kind != "gpt2" or pre not in ("default", "gpt2", "smollm", *_GGUF_SPLITS):
         raise SpecError(f"GGUF tokenizer {kind!r} with pre-tokenizer {pre!r} is not supported (supported: gpt2 with "
                         f"{', '.join(['default', 'gpt2', 'smollm', *_GGUF_SPLITS])})")
-    spelling = _byte_alphabet()
+    spelling = byte_alphabet()
     alphabet = set(spelling.values())
     tokens = meta["tokenizer.ggml.tokens"]
     vocab = {

@@ -259,3 +259,5 @@ def test_profile_splits_a_request_of_each_task(archives, smollm2, tmp_path, monk
     parts = json.loads(head.split("\n", 1)[1])
     assert parts["tokenize_pack_ms"] > 0 and parts["end_to_end_in_process_ms (the whole batch)"] > parts["json_parse_ms"]
     assert parts["graph_ms (copy-in + graph + copy-out)"] > 0 and "Self CPU" in table
+    at_bounds = parts["calls_at_the_bounds_ms (per requests in the call)"]  # beside the build's own timing
+    assert at_bounds.keys() == parts["build_call_ms (the manifest's)"].keys() and min(at_bounds.values()) > 0
