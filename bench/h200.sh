@@ -22,7 +22,8 @@
 # BENCH=0,
 # RELIABILITY=1 (the reliability step after the bench; SOAK=600 adds the soak; DEADLINE=80: every
 # overload request carries that deadline; STEPS=fuzz,overload,kill,gpu-fault adds kill -9 of a worker
-# and a GPU fault beside the workers, each under load for $FAULT_SECONDS (60); RELIABLE and STEPS: below),
+# and a GPU fault beside the workers, each under load for $FAULT_SECONDS (60); STEPS=none SOAK=600: the soak
+# alone; RELIABLE and STEPS: below),
 # PROFILE_GRAPHS="on" (default "on off": the profile step with CUDA graphs and without), $WORKLOADS (default W3,W2,W1), $BENCH_ARGS (more bench.run options for the pipeline's bench step,
 # e.g. --levels). On nvidia-h200-x2, SLM=...,4:8:g2 spreads 4 workers over 2 GPUs.
 # BASE=DIR: a checkout of the baseline commit (e.g. `git archive SHA ':!bench/results' | tar -x -C .base`,
@@ -119,10 +120,10 @@ reliability)
         case "$name" in *score*) task=(--task score --max-items 16 --max-tokens 160) ;;
                         *) task=(--task beam --max-tokens 512) ;; esac
         common=(--archive "$mar" --workers "$workers" "${task[@]}" --workload "$workload" --tokenizer bench/assets/tokenizer.json)
-        python3 -m bench.reliability "${STEPS:-fuzz,overload}" "${common[@]}" ${capacity:+--capacity "$capacity"} --seconds 60 \
+        [ "${STEPS:-}" = none ] || python3 -m bench.reliability "${STEPS:-fuzz,overload}" "${common[@]}" ${capacity:+--capacity "$capacity"} --seconds 60 \
             ${DEADLINE:+--deadline-ms "$DEADLINE"} ${FAULT_SECONDS:+--fault-seconds "$FAULT_SECONDS"} \
             --out "$OUT/reliability_${name}.json" --logs "$OUT/reliability_logs_${name}" > "$OUT/reliability_${name}.log" 2>&1
-        [ -n "${SOAK:-}" ] && python3 -m bench.reliability soak "${common[@]}" --seconds "$SOAK" \
+        [ -n "${SOAK:-}" ] && python3 -m bench.reliability soak "${common[@]}" ${capacity:+--capacity "$capacity"} --seconds "$SOAK" \
             --out "$OUT/reliability_soak_${name}.json" > "$OUT/reliability_soak_${name}.log" 2>&1
     done ;;
 all)

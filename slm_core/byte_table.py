@@ -51,7 +51,10 @@ class ByteTable:
         try:
             return [b"".join([table[i] for i in ids]).decode("utf-8", "replace") for ids in sequences]
         except IndexError:
-            table += [b""] * (1 + max(i for ids in sequences for i in ids) - len(table))
+            top = max(i for ids in sequences for i in ids)
+            if top < len(table):  # an id below -len(table): none comes from a graph
+                raise ValueError("a negative token id") from None
+            table += [b""] * (1 + top - len(table))
             return self.decode_each(sequences)
 
     def _agrees(self, tokenizer: tokenizers.Tokenizer) -> bool:
@@ -59,6 +62,6 @@ class ByteTable:
         runs of byte tokens that split characters (invalid UTF-8 where they end)."""
         added = list(tokenizer.get_added_tokens_decoder())
         ids = [[i] for i in (*added, *range(0, len(self.table), 61))]
-        singles = [i for i in range(len(self.table)) if len(self.table[i]) == 1][:64]
+        singles = [i for i, b in enumerate(self.table) if len(b) == 1 and b[0] >= 0x80][:64]  # UTF-8's parts
         ids += [singles[k : k + n] for n in (2, 3, 5) for k in range(0, len(singles) - n, n)]
         return self.decode_each(ids) == [tokenizer.decode(s, skip_special_tokens=True) for s in ids]

@@ -6,14 +6,23 @@ A text is cut before a space that follows an ASCII letter or digit and precedes 
 Byte-level BPE tokenizers (GPT-2, Llama 3, Qwen2, SmolLM2) split their pre-tokens there (" word"
 begins a pre-token in each of their patterns) and merge only inside a pre-token, so the pieces'
 ids joined are the whole text's. Whether a tokenizer is such a one is decided at load, from its
-configuration and probes (Pieces.usable); one that is not is encoded whole.
+configuration and probes (Pieces.usable); one that is not is encoded whole. The tokenizer must
+neither truncate nor pad (PackedTokenizer turns both off): each piece would be cut or padded.
 """
+
+import re
 
 import tokenizers
 
 PIECE_CHARS = 256  # about 50 tokens: a thread's share is worth more than handing it over
-WORD = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
-LETTERS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+CUT = re.compile(r"(?<=[A-Za-z0-9]) (?=[A-Za-z])")  # where a cut may fall: before the space
+# the split patterns of the byte-level vocabularies whose " word" pre-tokens are known (Qwen2's
+# and Qwen3's, Llama 3's); another Split pattern could match across a space, so it is encoded whole
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+               r"|\s+(?!\S)|\s+")
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+SPLITS = {QWEN2_SPLIT, LLAMA3_SPLIT}
 # components that act on characters or split at boundaries, never joining across a cut
 NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase"}
 PRE_TOKENIZERS = {"ByteLevel", "Split", "Digits", "Whitespace", "WhitespaceSplit", "Punctuation"}
@@ -36,13 +45,11 @@ def cut(text: str, every: int = PIECE_CHARS) -> list[str]:
     """`text` in pieces of about `every` characters, cut before spaces between ASCII words."""
     pieces, at = [], 0
     while len(text) - at > 2 * every:
-        i = text.find(" ", at + every)
-        while i != -1 and not (text[i - 1] in WORD and text[i + 1 : i + 2] in LETTERS):
-            i = text.find(" ", i + 1)
-        if i == -1 or len(text) - i < every // 2:
+        found = CUT.search(text, at + every)
+        if found is None or len(text) - found.start() < every // 2:
             break
-        pieces.append(text[at:i])
-        at = i
+        pieces.append(text[at : found.start()])
+        at = found.start()
     pieces.append(text[at:])
     return pieces
 
@@ -62,6 +69,14 @@ class Pieces:
         self.suffix = whole[at + len(plain):] if at is not None else []
         self.usable = at is not None and self._configured(config) and self._probed()
 
+    def _spaced(self, token: dict) -> bool:
+        """Whether an added token could match a space: its text holds whitespace, or its text as the
+        normalizer makes it (NFKC turns U+00A0 into a space, and U+00A8 into a space and a mark)."""
+        content = token["content"]
+        if token.get("normalized") and self.tokenizer.normalizer is not None:
+            content += self.tokenizer.normalizer.normalize_str(content)
+        return any(c.isspace() for c in content)
+
     def encode(self, texts: list[str]) -> list[list[int]]:
         """Each text's ids, its pieces encoded in one parallel pass."""
         cuts = [cut(t, self.every) for t in texts]
@@ -75,8 +90,9 @@ class Pieces:
         return out
 
     def _configured(self, config: dict) -> bool:
-        """A BPE tokenizer whose normalizer and pre-tokenizer act per character or split, whose
-        added tokens hold no space and take none of their neighbours' (lstrip, rstrip)."""
+        """A BPE tokenizer whose normalizer and pre-tokenizer act per character or split (a Split
+        only by a known pattern), whose added tokens hold no space and take none of their
+        neighbours' (lstrip, rstrip)."""
         model = config.get("model") or {}
         if model.get("type") != "BPE" or model.get("dropout"):
             return False
@@ -87,7 +103,10 @@ class Pieces:
             return False
         if any(c["type"] == "ByteLevel" and c.get("add_prefix_space") for c in pre):
             return False  # a space put before every piece
-        return not any(" " in t["content"] or t.get("lstrip") or t.get("rstrip") or t.get("single_word")
+        if any(c["type"] == "Split" and ((c.get("pattern") or {}).get("Regex") not in SPLITS or c.get("invert")
+                                         or c.get("behavior") != "Isolated") for c in pre):
+            return False
+        return not any(self._spaced(t) or t.get("lstrip") or t.get("rstrip") or t.get("single_word")
                        for t in config.get("added_tokens") or [])
 
     def _probed(self) -> bool:

@@ -49,6 +49,15 @@ def smollm2():
     return path, load_checkpoint(path), hf, hf_tok
 
 
+@pytest.fixture(scope="session")
+def byte_level(smollm2):
+    """A factory of fresh copies of SmolLM2's byte-level BPE tokenizer (tests change them)."""
+    from tokenizers import Tokenizer
+
+    serialized = smollm2[1].tokenizer.to_str()
+    return lambda: Tokenizer.from_str(serialized)
+
+
 def train_tokenizer(path: Path, vocab_size: int = 400) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 

@@ -14,6 +14,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 from slm_core.byte_table import byte_alphabet
 from slm_core.errors import SpecError
+from slm_core.pieces import QWEN2_SPLIT
 from slm_core.spec import ARCHITECTURES, ModelSpec, RopeSpec
 
 
@@ -175,10 +176,7 @@ def _gguf_to_hf_name(name: str) -> str:
 
 # The pre-tokenizer splits a GGUF names (tokenizer.ggml.pre) other than GPT-2's: Qwen2's, which
 # Qwen2.5 and Qwen3 files name too; one digit per piece, unlike GPT-2's runs.
-_GGUF_SPLITS = {
-    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-             r"|\s+(?!\S)|\s+",
-}
+_GGUF_SPLITS = {"qwen2": QWEN2_SPLIT}
 
 
 def _gguf_tokenizer(meta: dict) -> Tokenizer:

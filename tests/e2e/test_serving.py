@@ -318,6 +318,7 @@ def test_overload_and_soak_short_versions(server):
     result = soak(url, server.management, "tiny_score", bodies, capacity=30, seconds=4, window=2)
     assert [w["from_s"] for w in result["windows"]] == [0, 2]
     assert all(w["other_statuses"] == {} and w["answered_per_s"] > 0 for w in result["windows"]), result
+    assert result["workers_after"] == result["workers_before"] and result["workers_before"]  # no restart
 
 
 def test_the_kill_step_records_what_a_killed_worker_loses(server, archives):

@@ -1,15 +1,14 @@
 """Candidates decoded by the table of token bytes (slm_core.byte_table) read as the tokenizer's own
-decode(skip_special_tokens=True) does, invalid UTF-8 included; a decoder that is not byte-level
-keeps the tokenizer's decode."""
+decode(skip_special_tokens=True) does, invalid UTF-8 included, on SmolLM2's tokenizer; a decoder
+that is not byte-level keeps the tokenizer's decode."""
 
 import json
 import random
 
+import pytest
 from tokenizers import AddedToken, Tokenizer, decoders
 
 from slm_core.byte_table import ByteTable
-
-BENCH_TOKENIZER = "bench/assets/tokenizer.json"
 
 
 def table(tok: Tokenizer) -> ByteTable:
@@ -33,8 +32,8 @@ def sequences(tok: Tokenizer, seed: int, count: int = 20_000) -> list[list[int]]
     return out
 
 
-def test_the_table_decodes_as_the_tokenizer():
-    tok = Tokenizer.from_file(BENCH_TOKENIZER)
+def test_the_table_decodes_as_the_tokenizer(byte_level):
+    tok = byte_level()
     tok.add_tokens([AddedToken("new york"), AddedToken("日本")])  # added, not special: their own text
     bytes_ = table(tok)
     assert bytes_.usable
@@ -43,23 +42,17 @@ def test_the_table_decodes_as_the_tokenizer():
     assert any("\ufffd" in t for t in bytes_.decode_each(seqs))  # invalid UTF-8 was among them
 
 
-def test_the_real_smollm2_tokenizer(smollm2):
-    tok = smollm2[1].tokenizer
-    bytes_ = table(tok)
-    assert bytes_.usable
-    seqs = sequences(tok, seed=1)
-    assert bytes_.decode_each(seqs) == [tok.decode(s, skip_special_tokens=True) for s in seqs]
-
-
-def test_ids_past_the_vocabulary_decode_to_nothing_as_in_the_tokenizer():
-    tok = Tokenizer.from_file(BENCH_TOKENIZER)
+def test_ids_past_the_vocabulary_decode_to_nothing_as_in_the_tokenizer(byte_level):
+    tok = byte_level()
     bytes_ = table(tok)
     past = tok.get_vocab_size() + 1000  # a model's spare embedding rows
     seqs = [[past, tok.token_to_id("Ġthe") or 300, past + 5], [past]]
     assert bytes_.decode_each(seqs) == [tok.decode(s, skip_special_tokens=True) for s in seqs]
+    with pytest.raises(ValueError, match="negative"):
+        bytes_.decode_each([[-10 * len(bytes_.table)]])
 
 
-def test_a_decoder_that_is_not_byte_level_keeps_the_tokenizers_decode():
-    tok = Tokenizer.from_file(BENCH_TOKENIZER)
+def test_a_decoder_that_is_not_byte_level_keeps_the_tokenizers_decode(byte_level):
+    tok = byte_level()
     tok.decoder = decoders.Sequence([decoders.ByteLevel(), decoders.Strip(" ", 1, 0)])
     assert not table(tok).usable

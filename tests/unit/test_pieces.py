@@ -8,10 +8,7 @@ import random
 import pytest
 from tokenizers import AddedToken, Regex, Tokenizer, normalizers, pre_tokenizers, processors
 
-from slm_core.build.checkpoint import _GGUF_SPLITS
-from slm_core.pieces import Pieces, cut
-
-BENCH_TOKENIZER = "bench/assets/tokenizer.json"
+from slm_core.pieces import LLAMA3_SPLIT, QWEN2_SPLIT, Pieces, cut
 WORDS = ["Cheap", "flights", "to", "Rome", "x2", "12", "345", "3.14", "don't", "WE'LL", "it's", "a-b", "c_d",
          "(per", "item)", ",", ".", "!!", "--", "日本語", "ünïcödé", "🤖", "½", "e.g.", "U.S.A.", "<|im_end|>",
          "<|im_start|>user", "Ω≈ç", "naïve", "ﬁne", "Ａｂｃ", "hello", "World", "a", "I"]
@@ -24,8 +21,7 @@ def texts(seed: int, count: int = 60) -> list[str]:
             for _ in range(count)]
 
 
-def with_pre_tokenizer(pre, normalizer=None) -> Tokenizer:
-    tok = Tokenizer.from_file(BENCH_TOKENIZER)
+def with_pre_tokenizer(tok: Tokenizer, pre, normalizer=None) -> Tokenizer:
     tok.pre_tokenizer = pre
     if normalizer is not None:
         tok.normalizer = normalizer
@@ -37,15 +33,12 @@ def split(pattern: str):
                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
-LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-          r"|\s+(?!\S)|\s+")
-CUTTABLE = {
-    "gpt2": lambda: Tokenizer.from_file(BENCH_TOKENIZER),
-    "qwen2": lambda: with_pre_tokenizer(split(_GGUF_SPLITS["qwen2"])),
-    "llama3": lambda: with_pre_tokenizer(split(LLAMA3)),
-    "smollm2 digits": lambda: with_pre_tokenizer(pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])),
-    "nfc": lambda: with_pre_tokenizer(pre_tokenizers.ByteLevel(add_prefix_space=False), normalizers.NFC()),
+CUTTABLE = {  # each from a fresh SmolLM2 tokenizer (GPT-2's ByteLevel split, digits apart)
+    "smollm2": lambda tok: tok,
+    "gpt2": lambda tok: with_pre_tokenizer(tok, pre_tokenizers.ByteLevel(add_prefix_space=False)),
+    "qwen2": lambda tok: with_pre_tokenizer(tok, split(QWEN2_SPLIT)),
+    "llama3": lambda tok: with_pre_tokenizer(tok, split(LLAMA3_SPLIT)),
+    "nfkc": lambda tok: with_pre_tokenizer(tok, pre_tokenizers.ByteLevel(add_prefix_space=False), normalizers.NFKC()),
 }
 
 
@@ -54,8 +47,8 @@ def serialized(tok: Tokenizer) -> dict:
 
 
 @pytest.mark.parametrize("name", CUTTABLE)
-def test_pieces_encode_as_the_whole_text(name):
-    tok = CUTTABLE[name]()
+def test_pieces_encode_as_the_whole_text(name, byte_level):
+    tok = CUTTABLE[name](byte_level())
     pieces = Pieces(tok, serialized(tok), every=8)  # many cuts per text
     assert pieces.usable
     batch = texts(seed=len(name))
@@ -63,16 +56,8 @@ def test_pieces_encode_as_the_whole_text(name):
     assert pieces.encode(batch) == [e.ids for e in tok.encode_batch(batch)]
 
 
-def test_the_real_smollm2_tokenizer_is_cut_and_encodes_as_whole(smollm2):
-    tok = smollm2[1].tokenizer
-    pieces = Pieces(tok, serialized(tok), every=16)
-    assert pieces.usable
-    batch = texts(seed=7)
-    assert pieces.encode(batch) == [e.ids for e in tok.encode_batch(batch)]
-
-
-def test_a_post_processors_ids_go_around_the_pieces():
-    tok = Tokenizer.from_file(BENCH_TOKENIZER)
+def test_a_post_processors_ids_go_around_the_pieces(byte_level):
+    tok = byte_level()
     bos = tok.token_to_id("<|im_start|>")
     tok.post_processor = processors.TemplateProcessing(single="<|im_start|> $A <|im_end|>",
                                                        special_tokens=[("<|im_start|>", bos),
@@ -83,29 +68,36 @@ def test_a_post_processors_ids_go_around_the_pieces():
     assert pieces.encode(batch) == [e.ids for e in tok.encode_batch(batch)]
 
 
-def stripping_added_token() -> Tokenizer:
-    tok = Tokenizer.from_file(BENCH_TOKENIZER)
-    tok.add_tokens([AddedToken("<mask>", rstrip=True)])
-    return tok
-
-
-def spaced_added_token() -> Tokenizer:
-    tok = Tokenizer.from_file(BENCH_TOKENIZER)
-    tok.add_tokens([AddedToken("new york")])
-    return tok
+def added(token: AddedToken, normalizer=None):
+    def make(tok: Tokenizer) -> Tokenizer:
+        if normalizer is not None:
+            tok.normalizer = normalizer
+        tok.add_tokens([token])
+        return tok
+    return make
 
 
 @pytest.mark.parametrize("make", [
-    lambda: with_pre_tokenizer(pre_tokenizers.Metaspace(prepend_scheme="always")),
-    lambda: with_pre_tokenizer(pre_tokenizers.ByteLevel(add_prefix_space=True)),
-    lambda: with_pre_tokenizer(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)),  # splits nothing
-    lambda: with_pre_tokenizer(pre_tokenizers.ByteLevel(add_prefix_space=False), normalizers.Replace("  ", " ")),
-    lambda: with_pre_tokenizer(pre_tokenizers.ByteLevel(add_prefix_space=False), normalizers.Strip()),
-    stripping_added_token, spaced_added_token,
-], ids=["metaspace", "prefix space", "no split", "replace", "strip", "rstrip token", "spaced token"])
-def test_tokenizers_whose_pieces_could_differ_are_encoded_whole(make):
-    tok = make()
+    lambda tok: with_pre_tokenizer(tok, pre_tokenizers.Metaspace(prepend_scheme="always")),
+    lambda tok: with_pre_tokenizer(tok, pre_tokenizers.ByteLevel(add_prefix_space=True)),
+    lambda tok: with_pre_tokenizer(tok, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)),
+    lambda tok: with_pre_tokenizer(tok, split("new york")),  # a pattern that matches across a space
+    lambda tok: with_pre_tokenizer(tok, pre_tokenizers.ByteLevel(add_prefix_space=False), normalizers.Replace("  ", " ")),
+    lambda tok: with_pre_tokenizer(tok, pre_tokenizers.ByteLevel(add_prefix_space=False), normalizers.Strip()),
+    added(AddedToken("<mask>", rstrip=True)), added(AddedToken("new york")),
+    added(AddedToken("New\u00a0York", normalized=True), normalizers.NFKC()),  # NFKC makes its space
+], ids=["metaspace", "prefix space", "no split", "unknown split", "replace", "strip", "rstrip token", "spaced token",
+        "normalized space"])
+def test_tokenizers_whose_pieces_could_differ_are_encoded_whole(make, byte_level):
+    tok = make(byte_level())
     assert not Pieces(tok, serialized(tok)).usable
+
+
+def test_the_unsafe_cases_would_differ(byte_level):
+    """What the refusals above guard against: a normalized added token with a space, cut."""
+    tok = added(AddedToken("New\u00a0York", normalized=True), normalizers.NFKC())(byte_level())
+    pieces = ["I am flying to New", " York on Monday"]  # a cut where `cut` may make one
+    assert [i for p in pieces for i in tok.encode(p).ids] != tok.encode("".join(pieces)).ids
 
 
 def test_cuts_fall_before_a_space_between_ascii_words_only():
@@ -116,3 +108,4 @@ def test_cuts_fall_before_a_space_between_ascii_words_only():
         assert p[0] == " " and p[1].isascii() and p[1].isalpha()
     assert cut("a" * 1000, 16) == ["a" * 1000]  # no space, no cut
     assert cut("short text", 16) == ["short text"]
+    assert cut("1 " * 500_000) == ["1 " * 500_000]  # spaces, but none between words: one scan
