@@ -9,6 +9,7 @@
 #   bash bench/h200.sh bench   # the measured run: noop ceiling, every $SLM deployment and the HF
 #                              # peer on W1-W3, served-answer check, report, PNGs
 #   bash bench/h200.sh profile # where one request's time goes, per archive, CUDA graphs on/off
+#   bash bench/h200.sh loadtime # where a worker's package load goes (bench.load_time), per default archive
 #   bash bench/h200.sh reliability # on the archiver's default deployments: bad input (bench.reliability fuzz),
 #                              # 3x capacity for 60 s (overload); $SOAK seconds at 0.8x capacity if set
 #   bash bench/h200.sh start   # in the background: build beside check + kernels, then profile, then bench,
@@ -19,7 +20,7 @@
 # stays warm, so each next call is just `follow`, back to back (the machine goes back when idle).
 # Needs: carry [".devbundle", "bench/assets"]; $OUT (the device tool's output folder); $COMMIT.
 # Optional: $VARIANTS, $SLM (below), $SYSTEMS (slm,hf: SYSTEMS=slm leaves the peer out), PROFILE=0, CHECK=0, KERNELS=0,
-# BENCH=0,
+# BENCH=0, LOADTIME=1 (the loadtime step after the profiles),
 # RELIABILITY=1 (the reliability step after the bench; SOAK=600 adds the soak; DEADLINE=80: every
 # overload request carries that deadline; STEPS=fuzz,overload,kill,gpu-fault adds kill -9 of a worker
 # and a GPU fault beside the workers, each under load for $FAULT_SECONDS (60); STEPS=none SOAK=600: the soak
@@ -94,6 +95,12 @@ profile)
             done
         done
     done ;;
+loadtime)
+    for mar in "$WORK"/model-store/slm_*_b?.mar; do
+        name=$(basename "$mar" .mar)
+        [ -d "$WORK/unpacked/$name" ] || python3 -m zipfile -e "$mar" "$WORK/unpacked/$name"
+        python3 -m bench.load_time --package "$WORK/unpacked/$name" --out "$OUT/loadtime_${name}.json"
+    done ;;
 catalog)
     # a catalog swapped into the W4 archive: a second 1M-item catalog, as a new archive version
     python3 -c "from pathlib import Path; from bench.workloads import catalog_items; catalog_items(Path('$WORK/catalog-1000000-1.jsonl'), seed=1)"
@@ -137,6 +144,7 @@ all)
     [ "${CATALOG:-0}" = 1 ] && bash "$0" catalog > "$OUT/catalog.log" 2>&1
     # the in-process profiles before the sweeps: the GPU to themselves, and back first
     [ "${PROFILE:-1}" = 1 ] && bash "$0" profile > "$OUT/profile.log" 2>&1
+    [ "${LOADTIME:-0}" = 1 ] && bash "$0" loadtime > "$OUT/loadtime.log" 2>&1
     [ "${BENCH:-1}" = 1 ] && bash "$0" bench ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
     if [ -n "${NOMPS_SLM:-}" ]; then
         mps 0
@@ -153,7 +161,7 @@ start)
         BENCH_ARGS=${BENCH_ARGS:-} PROFILE=${PROFILE:-1} CHECK=${CHECK:-1} KERNELS=${KERNELS:-1} \
         RELIABILITY=${RELIABILITY:-0} BENCH=${BENCH:-1} SOAK=${SOAK:-} RELIABLE=${RELIABLE:-} STEPS=${STEPS:-} \
         FAULT_SECONDS=${FAULT_SECONDS:-} DEADLINE=${DEADLINE:-} \
-        MPS=${MPS:-1} NOMPS_SLM=${NOMPS_SLM:-} CATALOG=${CATALOG:-0} PROFILE_GRAPHS="${PROFILE_GRAPHS:-on off}" \
+        MPS=${MPS:-1} NOMPS_SLM=${NOMPS_SLM:-} CATALOG=${CATALOG:-0} LOADTIME=${LOADTIME:-0} PROFILE_GRAPHS="${PROFILE_GRAPHS:-on off}" \
         setsid nohup bash "$WORK/pipeline.sh" all > "$WORK/pipeline.log" 2>&1 < /dev/null &
     sleep 5
     bash "$0" follow ;;
@@ -165,5 +173,5 @@ follow)
     for f in "$PIPE"/*.log; do echo "== $f"; tail -n 8 "$f"; done
     [ -e "$PIPE/DONE" ] && echo PIPELINE DONE || echo "PIPELINE RUNNING (follow again)" ;;
 *)
-    echo "usage: bench/h200.sh build|check|check-full|kernels|gemm|bench|profile|reliability|start|follow" >&2; exit 2 ;;
+    echo "usage: bench/h200.sh build|check|check-full|kernels|gemm|bench|profile|loadtime|reliability|start|follow" >&2; exit 2 ;;
 esac

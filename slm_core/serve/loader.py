@@ -84,7 +84,15 @@ def load_graph(path: str, **kwargs):
     the weights: hundreds of MB) into this process's own directory under TMPDIR/slm-aoti-UID.
     The loader removes its extraction only when destroyed, which a worker that TorchServe kills
     never is: so the directories of processes that are gone are removed here first, and this
-    process's at its exit where it gets one."""
+    process's at its exit where it gets one.
+
+    Inductor's cache stays where it was (TORCHINDUCTOR_CACHE_DIR, by default under the TMPDIR
+    before): a load compiles Inductor's CPU capability checks into it, about ten C++ programs,
+    which a cache in the per-process directory would compile again at every worker start (6 s of
+    a worker's load on 2 cores)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    cache_dir()  # resolved now, and pinned in the environment, before TMPDIR moves
     scratch = _scratch()
     with _env("TMPDIR", str(scratch)):  # where AOTInductor's C++ loader extracts to
         return torch._inductor.aoti_load_package(path, **kwargs)

@@ -151,7 +151,8 @@ def test_a_package_extraction_is_removed_once_its_process_is_gone(archives, tmp_
     its loader is destroyed, which a killed worker never does. load_graph extracts into the
     process's own directory, removed at exit, and removes those of processes that are gone."""
     graph = str(archives["tiny_score"] / "graph.pt2")
-    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    # Inductor's cache by default (this process pinned its own in the environment when it built)
+    env = {**{k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}, "TMPDIR": str(tmp_path)}
 
     root = tmp_path / f"slm-aoti-{os.getuid()}"
 
@@ -161,12 +162,19 @@ def test_a_package_extraction_is_removed_once_its_process_is_gone(archives, tmp_
         out = subprocess.run([sys.executable, "-c", code, graph], env=env, capture_output=True, text=True, check=True)
         return out.stdout.split()
 
+    def compiled() -> dict:  # what Inductor compiled into its cache, by when
+        return {p: p.stat().st_mtime_ns for p in tmp_path.glob("torchinductor_*/**/*.so")}
+
     killed = run("os._exit(0)")  # as a SIGKILL leaves it: no exit handlers
     assert len(killed) == 1 and (root / killed[0]).is_dir() and any((root / killed[0]).iterdir())
     assert not list(tmp_path.glob("aotinductor_*"))
+    first = compiled()
     clean = run("")  # the next process removes the dead one's, then its own at exit
     assert len(clean) == 1 and clean != killed
     assert list(root.iterdir()) == []
+    # Inductor's cache (a load compiles its CPU capability checks into it) stays under the TMPDIR
+    # the processes started with, shared: the second one compiled nothing again
+    assert first and compiled() == first
     live = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom slm_core.serve.loader import load_graph\n"
                              "g = load_graph(sys.argv[1])\nprint('loaded', flush=True)\ntime.sleep(60)", graph],
                             env=env, stdout=subprocess.PIPE, text=True)

@@ -1,0 +1,112 @@
+"""Where a worker's package load goes: the compiled graph's package (graph.pt2, a zip whose .so
+holds the weights) extracted to a directory, and AOTInductor's load of it (it extracts the package
+into TMPDIR, loads the .so and copies the weights to the GPU; Inductor compiles its CPU
+capability checks into its cache directory, which follows TMPDIR unless TORCHINDUCTOR_CACHE_DIR
+is set): TMPDIR on the disk or on /dev/shm (memory), alone and two at once (two workers starting
+together).
+
+    python -m bench.load_time --package DIR [--out FILE]
+(DIR: an unpacked slm_*.mar, e.g. by bench.run)
+"""
+
+import argparse
+import json
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+SHM = Path("/dev/shm")
+
+
+def extract(pt2: Path, under: Path) -> float:
+    """Seconds to unzip the package into a fresh directory under `under` (removed after)."""
+    target = Path(tempfile.mkdtemp(dir=under))
+    start = time.perf_counter()
+    with zipfile.ZipFile(pt2) as z:
+        z.extractall(target)
+    os.sync()
+    seconds = time.perf_counter() - start
+    shutil.rmtree(target)
+    return seconds
+
+
+def _load(pt2: str, under: str, cache: str | None, out) -> None:
+    """AOTInductor's load as a worker does it (on CUDA: a single-threaded runner on cuda:0), with
+    TMPDIR a fresh directory under `under` (where the package is extracted) and Inductor's cache
+    in `cache` (None: under that TMPDIR, so cold); sends its seconds and the files Inductor
+    compiled into its cache meanwhile."""
+    tmp = tempfile.mkdtemp(dir=under)
+    os.environ["TMPDIR"] = tmp
+    if cache is not None:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.init()
+    start = time.perf_counter()
+    torch._inductor.aoti_load_package(pt2, run_single_threaded=cuda, **({"device_index": 0} if cuda else {}))
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    compiled = sum(1 for f in Path(cache or tmp).rglob("*.so"))
+    out.send((seconds, compiled))
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def loads(pt2: Path, under: Path, cache: Path | None, at_once: int) -> list:
+    """(seconds, .so files in Inductor's cache) of `at_once` loads started together, each in its
+    own process, as workers are."""
+    ctx = multiprocessing.get_context("spawn")
+    pipes, procs = [], []
+    for _ in range(at_once):
+        recv, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_load, args=(str(pt2), str(under), cache and str(cache), send))
+        proc.start()
+        pipes.append(recv)
+        procs.append(proc)
+    results = [p.recv() for p in pipes]
+    for proc in procs:
+        proc.join()
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--package", type=Path, required=True)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    pt2 = args.package / "graph.pt2"
+    disk = Path(tempfile.gettempdir())
+    with zipfile.ZipFile(pt2) as z:
+        members = z.infolist()
+    result = {
+        "package_mb": pt2.stat().st_size / 2**20,
+        "members": len(members),
+        "stored_uncompressed": all(m.compress_type == zipfile.ZIP_STORED for m in members),
+        "free_gb": {str(d): shutil.disk_usage(d).free / 2**30 for d in (disk, SHM)},
+    }
+    cache = Path(tempfile.mkdtemp(dir=disk))  # one Inductor cache the loads share, as a server's workers do
+    steps = {"extract_s disk": lambda: extract(pt2, disk), "extract_s shm": lambda: extract(pt2, SHM),
+             "load disk, first (s, .so in Inductor's cache)": lambda: loads(pt2, disk, cache, 1),
+             "load disk": lambda: loads(pt2, disk, cache, 1),
+             "load shm": lambda: loads(pt2, SHM, cache, 1),
+             "load disk, two at once": lambda: loads(pt2, disk, cache, 2)}
+    for name, step in steps.items():
+        try:
+            result[name] = step()
+        except Exception as e:  # a full /dev/shm, say: recorded, the other steps still run
+            result[name] = f"failed: {e!r}"
+        print(name, result[name], flush=True)
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
