@@ -34,6 +34,34 @@ def extract(pt2: Path, under: Path) -> float:
     return seconds
 
 
+def _dlopen(so: str, out) -> None:
+    """Seconds to dlopen the package's .so alone (its weights are in it), in a fresh process that
+    has torch loaded already, as a worker has (the .so's undefined symbols are libtorch's)."""
+    import ctypes
+
+    import torch  # noqa: F401
+
+    start = time.perf_counter()
+    ctypes.CDLL(so, mode=os.RTLD_NOW | os.RTLD_LOCAL)
+    out.send(time.perf_counter() - start)
+
+
+def dlopen(pt2: Path, under: Path) -> float:
+    target = Path(tempfile.mkdtemp(dir=under))
+    with zipfile.ZipFile(pt2) as z:
+        z.extractall(target)
+    so = max(target.rglob("*.so"), key=lambda p: p.stat().st_size)
+    ctx = multiprocessing.get_context("spawn")
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_dlopen, args=(str(so), send))
+    proc.start()
+    send.close()  # the child's death then ends recv() with EOFError instead of a hang
+    seconds = recv.recv()
+    proc.join()
+    shutil.rmtree(target)
+    return seconds
+
+
 def _load(pt2: str, under: str, cache: str | None, out) -> None:
     """AOTInductor's load as a worker does it (on CUDA: a single-threaded runner on cuda:0), with
     TMPDIR a fresh directory under `under` (where the package is extracted) and Inductor's cache
@@ -67,6 +95,7 @@ def loads(pt2: Path, under: Path, cache: Path | None, at_once: int) -> list:
         recv, send = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=_load, args=(str(pt2), str(under), cache and str(cache), send))
         proc.start()
+        send.close()
         pipes.append(recv)
         procs.append(proc)
     results = [p.recv() for p in pipes]
@@ -88,10 +117,13 @@ def main() -> None:
         "package_mb": pt2.stat().st_size / 2**20,
         "members": len(members),
         "stored_uncompressed": all(m.compress_type == zipfile.ZIP_STORED for m in members),
+        "largest_mb": {m.filename: m.file_size / 2**20 for m in sorted(members, key=lambda m: -m.file_size)[:3]},
+        "cubins": sum(m.filename.endswith(".cubin") for m in members),
         "free_gb": {str(d): shutil.disk_usage(d).free / 2**30 for d in (disk, SHM)},
     }
     cache = Path(tempfile.mkdtemp(dir=disk))  # one Inductor cache the loads share, as a server's workers do
     steps = {"extract_s disk": lambda: extract(pt2, disk), "extract_s shm": lambda: extract(pt2, SHM),
+             "dlopen_s of the .so alone": lambda: dlopen(pt2, disk),
              "load disk, first (s, .so in Inductor's cache)": lambda: loads(pt2, disk, cache, 1),
              "load disk": lambda: loads(pt2, disk, cache, 1),
              "load shm": lambda: loads(pt2, SHM, cache, 1),
