@@ -22,6 +22,7 @@ from ts.utils.util import PredictionException
 from slm_core import manifest
 from slm_core.errors import DeviceLost
 from slm_core.serve.deadline import Deadlines
+from slm_core.serve.kserve import metadata
 from slm_core.serve.loader import load_package, mps_running
 from slm_core.serve.protocol import Reply, Request, encode, respond_batch
 from slm_core.serving import ServingSpec
@@ -59,12 +60,14 @@ def shared_grpc_error(grpc: list[bool], replies: list[Reply]) -> Reply | None:
     return first if all(grpc) and first.status != 200 and same else None
 
 
-def description(package: dict, serving: ServingSpec) -> bytes:
+def description(package: dict, serving: ServingSpec, tensors: dict) -> bytes:
     """What describe-model answers with ?customized=true (TorchServe's customizedMetadata): the
     task as built (kind, labels, bounds, precision), its request field and answer fields, the
-    build's device and timings, and this deployment's serving settings."""
+    build's device and timings, this deployment's serving settings, and the Open Inference
+    Protocol's input and output tensors (`kserve`: what deploy/kserve_gateway.py answers for
+    GET /v2/models/NAME)."""
     encode_node = manifest.node(package, "encode")
-    return encode({"task": package["task"], "request_field": encode_node["input"],
+    return encode({"task": package["task"], "request_field": encode_node["input"], "kserve": tensors,
                    "answer": manifest.node(package, "decode")["output"], "bounds": encode_node["bounds"],
                    "device": package["device"], "dtype": package.get("dtype"), "call_ms": package.get("call_ms"),
                    "serving": {"workers": serving.workers, "batch": serving.batch, "queue": serving.queue,
@@ -107,6 +110,7 @@ class SlmHandler:
         self.engine = None
         self.deadlines = None
         self.description = b"{}"
+        self.model = ("", "")
 
     def initialize(self, ctx) -> None:
         # Bodies reach handle() as the bytes the client sent, for slm_core.serve.protocol to parse
@@ -122,7 +126,10 @@ class SlmHandler:
         self.engine = load_package(model_dir, ctx.system_properties.get("gpu_id"), serving.cuda_graphs)
         package = manifest.read(model_dir)
         self.deadlines = Deadlines(serving.deadline_ms, package.get("call_ms") or {})
-        self.description = description(package, serving)
+        self.description = description(package, serving, metadata(self.engine.task))
+        # the name and version a KServe v2 answer names: as TorchServe registered this worker's model
+        self.model = (str(getattr(ctx, "model_name", "") or ""),
+                      str(((getattr(ctx, "manifest", None) or {}).get("model") or {}).get("modelVersion", "")))
         replay = self.engine.context.replay
         cuda = self.engine.device.type == "cuda"
         mps = cuda and mps_running()
@@ -152,7 +159,8 @@ class SlmHandler:
         # batch may hold beside predictions (and a client may send): it alone gets the description
         describe = [request.headers.get("describe") == "True" for request in batch]
         try:
-            answered = iter(respond_batch(self.engine, [r for r, d in zip(batch, describe) if not d], self.deadlines))
+            answered = iter(respond_batch(self.engine, [r for r, d in zip(batch, describe) if not d], self.deadlines,
+                                         self.model))
         except DeviceLost:
             # Every later call would fail too, and under MPS the GPU takes no new client until this
             # process is gone: exit, so that TorchServe starts a worker with a fresh context. The

@@ -1,40 +1,31 @@
 """The REST protocol, independent of TorchServe: a request's raw body and headers -> (status, JSON).
 
 A request body is one JSON object with the task's field (Task.request); the answer is the task's
-(Task.body). A bad request gets 400 {"error": "..."} naming the problem in JSON's terms and the
-bound it breaks (415 for an encoded body); a failure of the graph call 500 for the requests in
-it. Nothing here raises, except DeviceLost: a device that fails every call from now on, which
-only a new process can use again.
+(Task.body). KServe's v1 and v2 bodies are answered in their protocols (slm_core.serve.kserve).
+A bad request gets 400 {"error": "..."} naming the problem in JSON's terms and the bound it
+breaks (415 for an encoded body); a failure of the graph call 500 for the requests in it.
+Nothing here raises, except DeviceLost: a device that fails every call from now on, which only a
+new process can use again.
 """
 
-import json
 import logging
 import math
-import time
-from dataclasses import dataclass, field
-from typing import Any, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import orjson
 
-from slm_core.errors import DeviceLost, InputError, bounded, names
+from slm_core.errors import DeviceLost, InputError, bounded
+from slm_core.serve import kserve
+from slm_core.serve.body import Form, Request, parse_body, request_body
 from slm_core.serve.deadline import Deadlines
 from slm_core.serve.engine import CallStats, Engine
+from slm_core.tasks import Task
 
+__all__ = ["Reply", "Request", "encode", "error", "form", "respond", "respond_batch"]
 log = logging.getLogger(__name__)
-MAX_DIGITS = 32  # of an integer in a request body: a bound of the protocol, not of Python
-INT_LIMIT = 10**MAX_DIGITS
-
-
-@dataclass(frozen=True)
-class Request:
-    """One request as its host hands it over: its parameters (TorchServe: the body under "body",
-    or a form's fields), its HTTP headers (names in lower case) and when the host handed it over
-    (time.monotonic())."""
-
-    parameters: Mapping[str, Any]
-    headers: Mapping[str, str] = field(default_factory=dict)
-    received: float = field(default_factory=time.monotonic)
+BINARY_HEADER = "inference-header-content-length"  # Triton's binary tensor extension (kserve.binary_form)
 
 
 @dataclass(frozen=True)
@@ -76,91 +67,51 @@ def error(status: int, message: str) -> Reply:
     return Reply(status, encode({"error": safe}))
 
 
-def request_body(request: Request) -> object:
-    """The raw body of one request (TorchServe names a JSON POST's parameter "body", a raw one
-    "data"); a form post arrives as fields instead."""
-    encoding = request.headers.get("content-encoding", "identity").strip().lower()
-    if encoding not in ("", "identity"):
-        raise InputError(f"Content-Encoding {bounded(encoding, 32)!r} is not supported: send the JSON body "
-                         "uncompressed", status=415)
-    for key in ("body", "data"):
-        if request.parameters.get(key) is not None:
-            return request.parameters[key]
-    raise InputError("expected a JSON body (Content-Type: application/json), got form fields "
-                     f"{names(request.parameters) or 'none'}")
+def form(task: Task, request: Request, model: tuple[str, str] = ("", "")) -> Form:
+    """What a request asks: a native body, or KServe's v1 or v2 (model: the name and version a v2
+    answer names)."""
+    raw = request_body(request)
+    header = request.headers.get(BINARY_HEADER)
+    if header is not None:
+        return kserve.binary_form(task, raw, header, model)
+    value = parse_body(raw)
+    return kserve.form(task, value, model) or Form([task.request(value)], lambda answers: task.body(answers[0]))
 
 
-def _constant(name: str):
-    raise InputError(f"request body holds {name}, which is not JSON")
+def respond(engine: Engine, request: Request, deadlines: Deadlines | None = None,
+            model: tuple[str, str] = ("", "")) -> Reply:
+    return respond_batch(engine, [request], deadlines, model)[0]
 
 
-def parse_body(body: object) -> Any:
-    """A request body -> its JSON value, parsed once. The body is raw bytes (the handler has
-    TorchServe hand bodies over undecoded); a value TorchServe decoded already (its default
-    decode_input_request) is taken as it is: a str is then a JSON string, not a request."""
-    if isinstance(body, (bytes, bytearray)):
-        try:
-            text = bytes(body).decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise InputError(f"request body is not valid UTF-8 (byte {e.start})") from None
-        try:
-            value = json.loads(text, parse_constant=_constant)
-        except RecursionError:
-            raise InputError("request body nests arrays or objects too deeply to parse "
-                             "(a request nests them 2 deep)") from None
-        except json.JSONDecodeError as e:
-            raise InputError(f"request body is not valid JSON: {e.msg} at character {e.pos}") from None
-        except InputError:  # NaN or Infinity (_constant)
-            raise
-        except ValueError:  # an integer past Python's own limit on converting digits
-            raise InputError(f"request body holds a number of more than {MAX_DIGITS} digits") from None
-        _check_digits(value)
-        return value
-    return body
-
-
-def _check_digits(value: Any) -> None:
-    """The digit bound, checked on the parsed value: a walk costs ~1 us for a W1 body, where a
-    regular expression over its text costs ~80 us and a parse_int hook a Python call per integer."""
-    stack = [value]
-    while stack:  # no recursion: the parser's nesting limit is deeper than a walk's stack room
-        x = stack.pop()
-        if type(x) is int:
-            if not -INT_LIMIT < x < INT_LIMIT:
-                raise InputError(f"request body holds a number of {len(str(abs(x)))} digits (at most {MAX_DIGITS})")
-        elif type(x) is list:
-            stack.extend(x)
-        elif type(x) is dict:
-            stack.extend(x.values())
-
-
-def respond(engine: Engine, request: Request, deadlines: Deadlines | None = None) -> Reply:
-    return respond_batch(engine, [request], deadlines)[0]
-
-
-def respond_batch(engine: Engine, requests: list[Request], deadlines: Deadlines | None = None) -> list[Reply]:
-    """The replies to a batch, in order. Up to max_batch requests share one graph call; a bad
-    request gets its own 4xx and is left out of the call, as is one that its call would answer
-    past its deadline (504, slm_core.serve.deadline); a failure of the call itself is a 500 for the
-    requests in it, logged, or DeviceLost raised when the device fails every call after it."""
+def respond_batch(engine: Engine, requests: list[Request], deadlines: Deadlines | None = None,
+                  model: tuple[str, str] = ("", "")) -> list[Reply]:
+    """The replies to a batch, in order. Up to max_batch request values share one graph call, a
+    request's values (a v1 body's instances) the same one; a bad request gets its own 4xx and is
+    left out of the call, as is one that its call would answer past its deadline (504,
+    slm_core.serve.deadline); a failure of the call itself is a 500 for the requests in it,
+    logged, or DeviceLost raised when the device fails every call after it."""
     task = engine.task
     replies: list[Reply | None] = [None] * len(requests)
-    values, members = [], []
+    forms: dict[int, Form] = {}
     for i, request in enumerate(requests):
         try:
-            values.append(task.request(parse_body(request_body(request))))
-            members.append(i)
+            forms[i] = form(task, request, model)
         except InputError as e:
             replies[i] = error(e.status, str(e))
         except Exception:
             log.exception("request failed")
             replies[i] = error(500, "internal error while running the request")
-    for start in range(0, len(values), task.max_batch):
-        call = list(zip(values[start : start + task.max_batch], members[start : start + task.max_batch]))
+    calls: list[list[int]] = [[]]
+    for i, f in forms.items():  # in order, a call filled up before the next begins
+        if sum(len(forms[j].values) for j in calls[-1]) + len(f.values) > task.max_batch:
+            calls.append([])
+        calls[-1].append(i)
+    for call in calls:
         if deadlines is not None:
-            call = [(value, i) for value, i in call if not _late(deadlines, requests[i], len(call), replies, i)]
+            size = sum(len(forms[i].values) for i in call)
+            call = [i for i in call if not _late(deadlines, requests[i], size, replies, i)]
         if call:
-            _call(engine, [value for value, _ in call], [i for _, i in call], replies)
+            _call(engine, forms, call, replies)
     return replies
 
 
@@ -175,10 +126,10 @@ def _late(deadlines: Deadlines, request: Request, requests: int, replies: list, 
     return refusal is not None
 
 
-def _call(engine: Engine, values: list, members: list[int], replies: list) -> None:
-    """One graph call for up to max_batch requests; their replies go to replies[members]."""
+def _call(engine: Engine, forms: dict[int, Form], members: list[int], replies: list) -> None:
+    """One graph call for the values of requests `members`; their replies go to replies[members]."""
     try:
-        results = engine.run(values)
+        results = iter(engine.run([v for i in members for v in forms[i].values]))
     except Exception as e:  # a bug or a device fault: these requests fail, the worker lives on
         if not engine.usable():  # unless the device is gone for this process
             raise DeviceLost(f"{engine.device} fails every call after: {bounded(str(e))}") from e
@@ -186,12 +137,19 @@ def _call(engine: Engine, values: list, members: list[int], replies: list) -> No
         for i in members:
             replies[i] = error(500, "internal error while running the request")
         return
-    for i, result in zip(members, results):
-        if result.error is not None:
-            replies[i] = error(result.error.status, str(result.error))
+    for i in members:
+        f = forms[i]
+        mine = [next(results) for _ in f.values]
+        failed = [(k, r.error) for k, r in enumerate(mine) if r.error is not None]
+        if failed:
+            k, e = failed[0]
+            replies[i] = error(e.status, f.where(k) + str(e))
             continue
+        stats = mine[0].stats
+        if len(mine) > 1:  # one call: its time and batch; the request's texts and tokens, all of them
+            stats = replace(stats, texts=sum(r.stats.texts for r in mine), tokens=sum(r.stats.tokens for r in mine))
         try:
-            replies[i] = Reply(200, encode(engine.task.body(result.answer)), result.stats)
+            replies[i] = Reply(200, encode(f.answer([r.answer for r in mine])), stats)
         except ValueError:  # a NaN or infinity from the graph, which JSON cannot carry: this request only
             log.exception("a non-finite number in a graph's output")
             replies[i] = error(500, "internal error: the model produced a non-finite number")

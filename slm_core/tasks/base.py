@@ -32,6 +32,26 @@ class Difference:
     shared: float = 1.0
 
 
+@dataclass(frozen=True)
+class Tensor:
+    """A request field or an answer field as a tensor of KServe's Open Inference Protocol
+    (slm_core.serve.kserve): its name, datatype and shape (-1: any length; (1,): one value, a
+    scalar field), the body's field it is (`field`, default the name; `key`: the key of each of
+    that field's objects, as beam candidates' "text") and whether a request may leave it out, or
+    an answer lack it."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    field: str = ""
+    key: str | None = None
+    optional: bool = False
+
+    @property
+    def source(self) -> str:
+        return self.field or self.name
+
+
 class Task(ABC):
     kind: ClassVar[str]  # the task YAML's `task`
     head: ClassVar[str | None] = None  # its `head`, where a kind has several
@@ -164,6 +184,14 @@ class Task(ABC):
     @abstractmethod
     def body(self, answer: Any) -> dict:
         """The REST answer (JSON-ready)."""
+
+    @abstractmethod
+    def v2_inputs(self) -> list[Tensor]:
+        """The request's fields as Open Inference Protocol input tensors."""
+
+    @abstractmethod
+    def v2_outputs(self) -> list[Tensor]:
+        """The answer's fields as Open Inference Protocol output tensors."""
 
     @abstractmethod
     def outputs(self) -> list[str]:

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 from slm_core import flops
 from slm_core.errors import InputError, SpecError, json_type
 from slm_core.spec import ModelSpec
-from slm_core.tasks.base import Difference, Task
+from slm_core.tasks.base import Difference, Task, Tensor
 
 # A candidate scored below this took a step the search could not take (the graphs score those
 # -1e9, as transformers does, or -inf): what a prompt has fewer than W of is left out of its answer.
@@ -148,6 +148,17 @@ class BeamTask(Task):
 
     def body(self, answer: list[dict[str, Any]]) -> dict:
         return {"candidates": answer}
+
+    def v2_inputs(self) -> list[Tensor]:
+        return [Tensor("prompt", "BYTES", (1,)),
+                *(Tensor(name, "INT32", (1,), optional=True) for name in ("beam_width", "new_tokens", "top"))]
+
+    def v2_outputs(self) -> list[Tensor]:
+        """The candidates' fields, one tensor each, best first; token ids padded with -1 to the
+        task's new tokens."""
+        return [Tensor("text", "BYTES", (-1,), "candidates", "text"),
+                Tensor("token_ids", "INT64", (-1, self.new_tokens), "candidates", "token_ids"),
+                Tensor("score", "FP32", (-1,), "candidates", "score")]
 
     def outputs(self) -> list[str]:
         w, n = self.width, self.new_tokens

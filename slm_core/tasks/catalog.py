@@ -23,7 +23,7 @@ from slm_core.errors import InputError, SpecError, json_type
 from tokenizers import Tokenizer
 
 from slm_core.spec import ModelSpec, TaskSpec
-from slm_core.tasks.base import Difference
+from slm_core.tasks.base import Difference, Tensor
 from slm_core.tasks.beam import BeamRequest, BeamTask
 
 
@@ -124,6 +124,15 @@ class CatalogTask(BeamTask):
 
     def body(self, answer: dict[str, Any]) -> dict:
         return answer
+
+    def v2_inputs(self) -> list[Tensor]:
+        return [*super().v2_inputs(), Tensor("exclude", "BYTES", (-1,), optional=True)]
+
+    def v2_outputs(self) -> list[Tensor]:
+        """A beam's candidates with each one's item id, and how many excluded ids the catalog
+        lacks (where the request excluded any)."""
+        return [Tensor("id", "BYTES", (-1,), "candidates", "id"), *super().v2_outputs(),
+                Tensor("unknown_exclude", "INT64", (1,), optional=True)]
 
     def outputs(self) -> list[str]:
         return super().outputs() + [f"items int64 [prompts, {self.width}]: the item each candidate completes"]

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from slm_core.errors import SpecError
-from slm_core.tasks.base import Difference
+from slm_core.tasks.base import Difference, Tensor
 from slm_core.tasks.texts import TextsTask
 
 
@@ -43,6 +43,9 @@ class EmbeddingTask(TextsTask):
 
     def body(self, answer: np.ndarray) -> dict:
         return {"embeddings": answer}
+
+    def v2_outputs(self) -> list[Tensor]:
+        return [Tensor("embeddings", "FP32", (-1, self.dims or -1))]
 
     def outputs(self) -> list[str]:
         return [f"embeddings float32 [texts, {self.dims or 'hidden'}]" + (" L2-normalised" if self.spec.normalize else "")]

@@ -6,7 +6,7 @@ from typing import Any, ClassVar
 from slm_core import flops
 from slm_core.errors import InputError, SpecError, json_type
 from slm_core.spec import ModelSpec
-from slm_core.tasks.base import Difference, Task
+from slm_core.tasks.base import Difference, Task, Tensor
 
 
 class TextsTask(Task):
@@ -98,6 +98,12 @@ class TextsTask(Task):
 
     def body(self, answer: list[list[float]]) -> dict:
         return {"labels": self.labels, "scores": answer}
+
+    def v2_inputs(self) -> list[Tensor]:
+        return [Tensor("texts", "BYTES", (-1,))]
+
+    def v2_outputs(self) -> list[Tensor]:
+        return [Tensor("labels", "BYTES", (len(self.labels),)), Tensor("scores", "FP32", (-1, len(self.labels)))]
 
     def outputs(self) -> list[str]:
         return [f"{self.spec.output} float32 [texts, {len(self.labels)}]"]
