@@ -42,11 +42,19 @@ def not_ready(store: Path, management: str, timeout: float = 2.0) -> list[str]:
         except (OSError, ValueError, LookupError) as e:  # not listening yet, or an answer of another shape
             reasons.append(f"{name}: management API at {management}: {e}")
             continue
-        ready = sum(w.get("status") == "READY" for w in workers)
-        if not ready:
-            reasons.append(f"{name}: {ready} of {len(workers)} workers READY "
-                           f"({', '.join(sorted({str(w.get('status')) for w in workers})) or 'none started'})")
+        reason = unready(name, workers)
+        if reason:
+            reasons.append(reason)
     return reasons
+
+
+def unready(name: str, workers: list[dict]) -> "str | None":
+    """Why a model version does not serve, from its describe-model workers: none READY (None:
+    one is)."""
+    if any(w.get("status") == "READY" for w in workers):
+        return None
+    states = ", ".join(sorted({str(w.get("status")) for w in workers})) or "none started"
+    return f"{name}: 0 of {len(workers)} workers READY ({states})"
 
 
 def main() -> int:

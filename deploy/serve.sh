@@ -14,6 +14,9 @@
 #   BUILD_ONLY [0]                    1: build, then exit 0 instead of serving
 #   MPS [1]                           on CUDA, start NVIDIA's MPS daemon before TorchServe (0: don't)
 #   DRAIN_QUIET [2], DRAIN_TIMEOUT [25]   on SIGTERM: deploy/drain.py's (below)
+#   KSERVE_GATEWAY [0]                1: deploy/kserve_gateway.py serves KServe's endpoints on 0.0.0.0:8080
+#                                     and proxies the rest to TorchServe's inference, moved to
+#                                     127.0.0.1:8085 (TS_INFERENCE_ADDRESS); deploy/kserve.yaml sets it
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -26,6 +29,7 @@ TS_CONFIG=${TS_CONFIG:-$here/config.properties}
 PYTHON=${PYTHON:-python3}
 BUILD_ONLY=${BUILD_ONLY:-0}
 MPS=${MPS:-1}
+KSERVE_GATEWAY=${KSERVE_GATEWAY:-0}
 
 refuse() {
   echo "serve.sh: $*" >&2
@@ -106,14 +110,45 @@ export TS_METRICS_CONFIG=${TS_METRICS_CONFIG:-$here/../metrics.yaml}
 # unready (ready.py), waits until no request arrives and the queues are empty, then TorchServe
 # stops with nothing in flight. TorchServe's own SIGTERM handling resets the requests in flight.
 python3 "$here/drain.py" --clear  # a replica that starts is not draining
+# KServe's and Triton's clients ask readiness and metadata endpoints that TorchServe does not
+# answer: the gateway answers them on the inference port and proxies the rest to TorchServe, whose
+# inference moves to loopback (TorchServe takes TS_* variables for settings with enable_envvars_config).
+if [[ $KSERVE_GATEWAY == 1 ]]; then
+  export TS_INFERENCE_ADDRESS=${TS_INFERENCE_ADDRESS:-http://127.0.0.1:8085}
+  export INFERENCE=$TS_INFERENCE_ADDRESS
+fi
 torchserve --start --foreground --ncs --ts-config "$TS_CONFIG" --model-store "$MODEL_STORE" --models all &
 server=$!
+gateway=
+if [[ $KSERVE_GATEWAY == 1 ]]; then
+  python3 "$here/kserve_gateway.py" &
+  gateway=$!
+fi
+stop_gateway() {
+  if [[ -n $gateway ]]; then
+    kill -TERM "$gateway" 2>/dev/null || true
+    wait "$gateway" || true
+  fi
+}
+# shellcheck disable=SC2317 # run by the trap below
 stop() {
   trap - TERM INT
   python3 "$here/drain.py" --config "$TS_CONFIG" || true
   torchserve --stop || kill -TERM "$server" 2>/dev/null || true
   wait "$server" || true
+  stop_gateway # last: the requests the drain waits for come through it
   exit 0
 }
 trap stop TERM INT
-wait "$server"
+# With the gateway, either process ending ends the replica: one whose gateway is gone would stay
+# ready to ready.py with nothing listening on its port.
+status=0 ended=
+wait -n -p ended "$server" ${gateway:+"$gateway"} || status=$?
+if [[ -n $gateway && $ended == "$gateway" ]]; then
+  echo "serve.sh: the KServe gateway exited ($status): stopping TorchServe" >&2
+  torchserve --stop || kill -TERM "$server" 2>/dev/null || true
+  wait "$server" || true
+  exit 1
+fi
+stop_gateway
+exit "$status"

@@ -23,7 +23,8 @@ from slm_core.serve.body import Form, parse_body
 from slm_core.tasks.base import Task, Tensor
 
 V1_FIELDS = {"instances"}
-V2_FIELDS = {"id", "parameters", "inputs", "outputs"}
+# model_name, model_version: what kserve's client writes into the body too; the path names the model
+V2_FIELDS = {"id", "model_name", "model_version", "parameters", "inputs", "outputs"}
 INTEGERS = {"INT8": "<i1", "INT16": "<i2", "INT32": "<i4", "INT64": "<i8",
             "UINT8": "<u1", "UINT16": "<u2", "UINT32": "<u4", "UINT64": "<u8"}
 MAX_RANK = 4
@@ -92,8 +93,8 @@ def v2(task: Task, value: dict, blob: bytes, model: tuple[str, str]) -> Form:
     as the response's output tensors."""
     unknown = set(value) - V2_FIELDS
     if unknown:
-        raise InputError(f"unknown fields {names(unknown)}; an inference request has 'id', 'parameters', 'inputs' "
-                         "and 'outputs'")
+        raise InputError(f"unknown fields {names(unknown)}; an inference request has 'id', 'model_name', "
+                         "'model_version', 'parameters', 'inputs' and 'outputs'")
     request_id = value.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise InputError(f"'id' must be a string, got {json_type(request_id)}")

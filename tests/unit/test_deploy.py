@@ -78,6 +78,10 @@ def test_kserve_specifics():
     [container] = predictor["containers"]
     assert container["name"] == "kserve-container"
     assert any(e["name"] == "STORAGE_URI" for e in container["env"])  # triggers the storage initializer
+    # KServe's endpoints on the port KServe routes to, TorchServe behind them
+    assert {e["name"]: e["value"] for e in container["env"]}["KSERVE_GATEWAY"] == "1"
+    gateway = re.search(r'"GATEWAY_ADDRESS", "([\d.]+):(\d+)"', (DEPLOY / "kserve_gateway.py").read_text())
+    assert gateway[1] == "0.0.0.0" and int(gateway[2]) == container["ports"][0]["containerPort"] == INFERENCE_PORT
 
 
 def test_k8s_service_targets_the_container_ports():
@@ -276,3 +280,147 @@ def test_a_stop_drains_within_the_grace_period_and_disk_is_bounded(index):
     assert int(requests["ephemeral-storage"][:-2]) <= int(limits["ephemeral-storage"][:-2])
     [store] = [v for v in pod["volumes"] if v["name"] == "model-store"]
     assert int(store["emptyDir"]["sizeLimit"][:-2]) < int(limits["ephemeral-storage"][:-2])
+
+
+# The InferenceService against the kserve SDK's generated models, which hold KServe's field names
+# (attribute_map) and types (openapi_types); nested Kubernetes types are the kubernetes client's.
+SCALARS = {"str": (str, int, float),  # quantities ("1", 1) are strings in the models, numbers in YAML
+           "int": int, "float": (int, float), "bool": bool, "object": object, "ResourceQuantity": (str, int, float),
+           "datetime": str}
+
+
+def unknown_fields(value, type_name: str, where: str = "") -> list[str]:
+    """Where `value` holds a key that the SDK model `type_name` does not know, or a value of another
+    shape (a mapping, a list, a scalar) than the field's type: empty when it has none."""
+    import kserve.models
+    import kubernetes.client
+
+    if inner := re.fullmatch(r"(?:list|List)\[(.+)\]", type_name):
+        if not isinstance(value, list):
+            return [f"{where}: not a list ({type_name})"]
+        return [e for i, item in enumerate(value) for e in unknown_fields(item, inner[1], f"{where}[{i}]")]
+    if inner := re.fullmatch(r"dict\(str, (.+)\)|Dict\[str, (.+)\]", type_name):
+        if not isinstance(value, dict):
+            return [f"{where}: not a mapping ({type_name})"]
+        return [e for k, item in value.items() for e in unknown_fields(item, inner[1] or inner[2], f"{where}.{k}")]
+    if type_name in SCALARS:
+        bad = isinstance(value, (dict, list)) or not isinstance(value, SCALARS[type_name]) or (
+            type_name == "int" and isinstance(value, bool))
+        return [f"{where}: {value!r} is not {type_name}"] if bad else []
+    model = getattr(kserve.models, type_name, None) or getattr(kubernetes.client, type_name, None)
+    if model is None:
+        return [f"{where}: no model {type_name} in the kserve SDK or the kubernetes client"]
+    if not isinstance(value, dict):
+        return [f"{where}: not a mapping ({type_name})"]
+    fields = {key: attr for attr, key in model.attribute_map.items()}
+    found = []
+    for key, item in value.items():
+        if key not in fields:
+            found.append(f"{where}.{key}: not a field of {type_name}")
+        else:
+            found += unknown_fields(item, model.openapi_types[fields[key]], f"{where}.{key}")
+    return found
+
+
+def test_inference_service_is_kserves():
+    """Every field of kserve.yaml, recursively, is a field of the kserve SDK's V1beta1InferenceService
+    (its predictor, the pod fields inlined there, the Kubernetes types below); a misspelt key is
+    named, at any depth."""
+    text = (DEPLOY / "kserve.yaml").read_text()
+    [isvc] = yaml.safe_load_all(text)
+    assert unknown_fields(isvc, "V1beta1InferenceService") == []
+    for right, wrong, where in [("minReplicas", "minReplica", ".spec.predictor.minReplica"),
+                                ("periodSeconds: 5", "periodSecond: 5", ".spec.predictor.containers[0].readinessProbe"),
+                                ("sizeLimit", "size_limit", ".spec.predictor.volumes[0].emptyDir.size_limit"),
+                                ("  name: slm-serve\n", "  name: slm-serve\n  label: {app: slm}\n", ".metadata.label")]:
+        assert right in text
+        [broken] = yaml.safe_load_all(text.replace(right, wrong, 1))
+        [error] = unknown_fields(broken, "V1beta1InferenceService")
+        assert error.startswith(where), error
+
+
+FAKE_TORCHSERVE = """#!/usr/bin/env bash
+# Stands in for TorchServe: --start serves GET /ping ("Healthy") at TS_INFERENCE_ADDRESS until --stop,
+# which logs whether the gateway still answers then.
+echo "torchserve $1 inference=${TS_INFERENCE_ADDRESS:-}" >> "$FAKE_LOG"
+if [[ $1 == --stop ]]; then
+  python3 -c "import urllib.request as u; print('gateway', u.urlopen('http://$GATEWAY_ADDRESS/v2/health/live', timeout=2).status)" >> "$FAKE_LOG"
+  kill "$(cat "$FAKE_PID")"
+  exit 0
+fi
+echo $$ > "$FAKE_PID"
+exec python3 -m http.server --bind 127.0.0.1 "${TS_INFERENCE_ADDRESS##*:}" --directory "$FAKE_ROOT"
+"""
+
+
+@pytest.fixture
+def gateway_replica(fake, tmp_path):
+    """serve.sh's environment with KSERVE_GATEWAY=1, a built archive and a stand-in TorchServe; its
+    ports free ones: (env, gateway address, TorchServe's inference port)."""
+    from handlers.local_server import free_ports
+
+    env, store = fake
+    store.mkdir()
+    (store / "smollm2-intent.mar").write_text("built\n")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "torchserve").write_text(FAKE_TORCHSERVE)
+    (tmp_path / "bin" / "torchserve").chmod(0o755)
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / "ping").write_text("Healthy")
+    gateway, inference, management, metrics = free_ports(4)
+    return {**env, "BUILD_ONLY": "0", "KSERVE_GATEWAY": "1", "PATH": f"{tmp_path / 'bin'}:{Path(sys.executable).parent}:/usr/bin:/bin",
+            "TS_INFERENCE_ADDRESS": f"http://127.0.0.1:{inference}", "GATEWAY_ADDRESS": f"127.0.0.1:{gateway}",
+            "MANAGEMENT": f"http://127.0.0.1:{management}", "METRICS": f"http://127.0.0.1:{metrics}",
+            "DRAIN_FILE": str(tmp_path / "draining"), "FAKE_PID": str(tmp_path / "torchserve.pid"),
+            "FAKE_ROOT": str(tmp_path / "root")}, f"127.0.0.1:{gateway}", inference
+
+
+def test_kserve_gateway_fronts_torchserve_and_stops_after_it(gateway_replica):
+    """KSERVE_GATEWAY=1: TorchServe's inference moves to TS_INFERENCE_ADDRESS and the gateway,
+    started after it, proxies to it (/ping through the gateway is TorchServe's); on SIGTERM the drain
+    runs, TorchServe stops while the gateway still answers, then the gateway stops, and serve.sh
+    exits 0."""
+    import signal
+
+    from handlers.local_server import http
+
+    env, gateway, inference = gateway_replica
+    proc = subprocess.Popen([str(SERVE)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "no gateway"
+            try:
+                if http("GET", f"http://{gateway}/ping", timeout=2) == (200, b"Healthy"):
+                    break
+            except OSError:
+                pass
+            time.sleep(0.1)
+        assert http("GET", f"http://{gateway}/v2/health/live")[0] == 200
+        os.kill(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0, out
+        assert "drain: TorchServe does not answer" in out  # the drain ran first (nothing at MANAGEMENT here)
+        assert Path(env["FAKE_LOG"]).read_text().splitlines() == [
+            f"torchserve --start inference=http://127.0.0.1:{inference}",
+            f"torchserve --stop inference=http://127.0.0.1:{inference}", "gateway 200"]
+        with pytest.raises(OSError):  # stopped with the replica
+            http("GET", f"http://{gateway}/v2/health/live", timeout=2)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_the_replica_ends_when_its_gateway_does(gateway_replica):
+    """A gateway that exits (here: its port taken) stops TorchServe and the replica with 1, rather
+    than leave a replica that ready.py calls ready with nothing on its port."""
+    import socket
+
+    env, gateway, _ = gateway_replica
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", int(gateway.rsplit(":", 1)[1])))
+        taken.listen()
+        result = run_serve(env, timeout=30)
+    assert result.returncode == 1 and "the KServe gateway exited" in result.stderr, result.stderr
+    assert "torchserve --stop" in Path(env["FAKE_LOG"]).read_text()

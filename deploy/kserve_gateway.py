@@ -1,0 +1,254 @@
+#!/usr/bin/env python3
+"""KServe's REST endpoints in front of one replica's TorchServe (deploy/serve.sh, KSERVE_GATEWAY=1).
+
+TorchServe 0.12 passes KServe's inference calls to the handler, which reads KServe v1 and Open
+Inference Protocol v2 bodies, but it answers 404 to the readiness and metadata endpoints that
+KServe's and Triton's clients ask first. This gateway answers those from TorchServe's management
+API and proxies the rest to TorchServe's inference address, bodies and headers as they are.
+KServe's TorchServe runtime and TorchServe's service_envelope=kserve/kservev2 are not used: the
+archives are built on the serving GPU at first start, and the envelopes are batch-unsafe (they
+fail on this handler's batches).
+
+    python3 deploy/kserve_gateway.py
+
+Settings (environment, defaults in brackets): GATEWAY_ADDRESS [0.0.0.0:8080], INFERENCE
+[http://127.0.0.1:8085: TorchServe's inference address behind it], MANAGEMENT
+[http://127.0.0.1:8081]. It measures nothing: TorchServe's metrics count every request it passes.
+"""
+
+import asyncio
+import json
+import logging
+import os
+import time
+from importlib import metadata
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+from yarl import URL
+
+from drain import drain_file  # deploy/drain.py, beside this file
+from ready import unready  # deploy/ready.py, beside this file
+
+MAX_BODY = 17 * 2**20  # TorchServe's max_request_size (16 MiB) and a margin: it answers 413 itself below
+READ_S = 180.0  # above TorchServe's default responseTimeout (120 s), after which it answers itself
+STATE_S = 1.0  # readiness probes and clients' polls reach the management API at most once a second
+METADATA_S = 300.0  # a registered version's description does not change
+DRAINING = "draining: the replica is stopping (deploy/drain.py)"
+HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "host", "content-length",
+       "expect"}
+
+
+def reply(status: int, body: dict) -> web.Response:
+    # exactly application/json: KServe's client reads an error's text only then
+    return web.Response(status=status, body=json.dumps(body).encode(), content_type="application/json")
+
+
+def error(status: int, message: str, **extra: Any) -> web.Response:
+    return reply(status, {**extra, "error": message[:500]})
+
+
+def end_to_end(headers) -> CIMultiDict:
+    """The headers a proxy passes on: not the hop-by-hop ones, nor those Connection names."""
+    named = {h.strip().lower() for h in headers.get("Connection", "").split(",")}
+    return CIMultiDict((k, v) for k, v in headers.items()
+                       if k.lower() not in HOP | named and not k.lower().startswith("proxy-"))
+
+
+def path(*parts: "str | None") -> str:
+    return "".join(f"/{quote(p, safe='')}" for p in parts if p)
+
+
+class Unavailable(Exception):
+    """The management API did not answer, or not as it does when up."""
+
+
+class Gateway:
+    def __init__(self, inference: str, management: str):
+        self.inference, self.management = inference.rstrip("/"), management.rstrip("/")
+        self.cache: dict[str, tuple[float, Any]] = {}
+        self.session: "aiohttp.ClientSession | None" = None
+
+    async def connect(self, app: web.Application):
+        """One keep-alive pool for the app's life, unbounded: TorchServe's job queue is the bound
+        (503 when full). Requests go with their own headers only, none of aiohttp's defaults, and
+        answers come back as they are, never decompressed on the way."""
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30), auto_decompress=False,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=2, sock_read=READ_S),
+            skip_auto_headers=("Accept", "Accept-Encoding", "Content-Type", "User-Agent"))
+        yield
+        await self.session.close()
+
+    async def manage(self, url: str, ttl: float, timeout: float = 2.0, may_miss: bool = False) -> tuple[int, Any]:
+        """(status, JSON) of a management GET: 200, kept for `ttl` s, or 404 if it `may_miss`."""
+        hit = self.cache.get(url)
+        if hit and time.monotonic() - hit[0] < ttl:
+            return 200, hit[1]
+        try:
+            async with self.session.get(self.management + url, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                status, body = r.status, await r.json(content_type=None)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            raise Unavailable(f"TorchServe's management API at {self.management}: {e!r}") from e
+        if status == 200:
+            self.cache[url] = (time.monotonic(), body)
+        elif status != 404 or not may_miss:
+            raise Unavailable(f"TorchServe's management API: {status} for {url}")
+        return status, body
+
+    async def describe(self, name: str, version: "str | None") -> tuple[int, Any]:
+        """(200, describe-model of the version, the default one for None) or (404, why)."""
+        status, body = await self.manage(path("models", name, version), STATE_S, may_miss=True)
+        if status == 404:
+            return 404, f"model {name}{f' version {version}' if version else ''} is not registered"
+        return 200, body[0]
+
+    async def names(self) -> list[str]:
+        names, token = [], "0"
+        while token:
+            _, page = await self.manage(f"/models?limit=100&next_page_token={token}", STATE_S)
+            names += [m["modelName"] for m in page["models"]]
+            token = page.get("nextPageToken")
+        return names
+
+    async def why_unready(self, name: str, version: "str | None" = None) -> "tuple[int, str | None]":
+        """(404, why) for an unknown model; else (200, None) when it serves, or (503, why not)."""
+        status, described = await self.describe(name, version)
+        if status != 200:
+            return status, described
+        if drain_file().exists():
+            return 503, DRAINING
+        reason = unready(name, described.get("workers", []))
+        return (503, reason) if reason else (200, None)
+
+    async def v1_models(self, request: web.Request) -> web.Response:
+        return reply(200, {"models": await self.names()})
+
+    async def model_ready(self, request: web.Request) -> web.Response:
+        name, version = request.match_info["name"], request.match_info.get("version")
+        status, why = await self.why_unready(name, version)
+        if status == 404:
+            return error(404, why)
+        return reply(200, {"name": name, "ready": True}) if why is None else error(503, why, name=name, ready=False)
+
+    async def server_ready(self, request: web.Request) -> web.Response:
+        if drain_file().exists():
+            return error(503, DRAINING, ready=False)
+        names = await self.names()
+        found = await asyncio.gather(*(self.why_unready(name) for name in names))
+        reasons = [why for _, why in found if why] or ([] if names else ["no model registered"])
+        return error(503, "; ".join(reasons), ready=False) if reasons else reply(200, {"ready": True})
+
+    async def v2_metadata(self, request: web.Request) -> web.Response:
+        """The tensors come from the handler's description (describe-model ?customized=true, which
+        TorchServe nests as an object), under its "kserve" key; kept per version. A worker answers
+        it, after the requests queued for the model."""
+        name, version = request.match_info["name"], request.match_info.get("version")
+        status, described = await self.describe(name, version)
+        if status != 200:
+            return error(status, described)
+        _, versions = await self.manage(path("models", name, "all"), STATE_S)
+        _, [custom] = await self.manage(path("models", name, described["modelVersion"]) + "?customized=true",
+                                        METADATA_S, timeout=10.0)
+        tensors = (custom.get("customizedMetadata") or {}).get("kserve") or {}
+        return reply(200, {"name": name, "versions": [v["modelVersion"] for v in versions], "platform": "slm-serve",
+                           "inputs": tensors.get("inputs", []), "outputs": tensors.get("outputs", [])})
+
+    async def proxy(self, request: web.Request) -> web.Response:
+        """To TorchServe's inference address: KServe's inference paths become /predictions/NAME[/V]
+        (TorchServe has no route for a versioned v2 call), any other is passed as it is."""
+        target = request.raw_path
+        if "name" in request.match_info:
+            target = path("predictions", request.match_info["name"], request.match_info.get("version"))
+            target += f"?{request.query_string}" if request.query_string else ""
+        if (request.content_length or 0) > MAX_BODY:
+            return error(413, f"a request body is at most {MAX_BODY} bytes")
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:  # a chunked one
+            return error(413, f"a request body is at most {MAX_BODY} bytes")
+        try:
+            async with self.session.request(request.method, URL(self.inference + target, encoded=True),
+                                            data=body or None, headers=end_to_end(request.headers),
+                                            allow_redirects=False) as r:
+                answer = await r.read()
+                return web.Response(status=r.status, reason=r.reason or None, body=answer,
+                                    headers=end_to_end(r.headers))
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:  # not listening
+            return error(502, f"TorchServe at {self.inference}: {e!r}")
+        except asyncio.TimeoutError:
+            return error(504, f"TorchServe at {self.inference} did not answer in {READ_S:g} s")
+        except aiohttp.ClientError as e:
+            return error(502, f"TorchServe at {self.inference}: {e!r}")
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler) -> web.StreamResponse:
+    """Every error as KServe's {"error": ...}: unknown routes, wrong methods, the management API down."""
+    try:
+        return await handler(request)
+    except Unavailable as e:
+        return error(503, str(e))
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        response = error(e.status, f"{e.reason}: {request.method} {request.path[:200]}")
+        if "Allow" in e.headers:
+            response.headers["Allow"] = e.headers["Allow"]
+        return response
+    except Exception as e:  # a bug here: logged, and still answered in KServe's shape
+        logging.getLogger("kserve_gateway").exception("%s %s", request.method, request.path)
+        return error(500, f"the gateway failed: {e!r}")
+
+
+def constant(body: dict):
+    async def answer(request: web.Request) -> web.Response:
+        return reply(200, body)
+    return answer
+
+
+def make_app(inference: str, management: str) -> web.Application:
+    gateway = Gateway(inference, management)
+    try:
+        version = metadata.version("slm-serve")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    name, ver = "{name:[^/:]+}", "{version:[^/]+}"
+    app = web.Application(client_max_size=MAX_BODY, middlewares=[json_errors])
+    app.cleanup_ctx.append(gateway.connect)
+    app.add_routes([
+        web.get("/", constant({"status": "alive"})),
+        web.get("/v1/models", gateway.v1_models),
+        web.get(f"/v1/models/{name}", gateway.model_ready),
+        web.post(f"/v1/models/{name}:predict", gateway.proxy),
+        web.get("/v2", constant({"name": "slm-serve", "version": version, "extensions": ["binary_tensor_data"]})),
+        web.get("/v2/health/live", constant({"live": True})),
+        web.get("/v2/health/ready", gateway.server_ready),
+        web.get(f"/v2/models/{name}", gateway.v2_metadata),
+        web.get(f"/v2/models/{name}/versions/{ver}", gateway.v2_metadata),
+        web.get(f"/v2/models/{name}/ready", gateway.model_ready),
+        web.get(f"/v2/models/{name}/versions/{ver}/ready", gateway.model_ready),
+        web.post(f"/v2/models/{name}/infer", gateway.proxy),
+        web.post(f"/v2/models/{name}/versions/{ver}/infer", gateway.proxy),
+        # any path outside /v1 and /v2 is TorchServe's (/predictions, /ping, ...); inside, 404 or 405
+        web.route("*", r"/{tail:(?!v[12](?:/|$)).*}", gateway.proxy),
+    ])
+    return app
+
+
+def main() -> None:
+    host, port = os.environ.get("GATEWAY_ADDRESS", "0.0.0.0:8080").rsplit(":", 1)
+    inference = os.environ.get("INFERENCE", "http://127.0.0.1:8085")
+    management = os.environ.get("MANAGEMENT", "http://127.0.0.1:8081")
+    print(f"kserve_gateway: on {host}:{port}, TorchServe's inference at {inference}, management at {management}",
+          flush=True)
+    # auto_decompress off: a compressed body reaches TorchServe as the client sent it
+    web.run_app(make_app(inference, management), host=host, port=int(port), shutdown_timeout=5, access_log=None,
+                print=None, auto_decompress=False)
+
+
+if __name__ == "__main__":
+    main()

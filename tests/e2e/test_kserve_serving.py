@@ -1,0 +1,152 @@
+"""KServe's clients against a replica as deploy/kserve.yaml runs it: deploy/serve.sh with
+KSERVE_GATEWAY=1 and deploy/config.properties, a real TorchServe (CPU) behind the gateway, the
+tiny score and beam archives. The kserve SDK's REST client (v1, v2) and tritonclient (JSON and
+binary tensors) get the answers /predictions gives for the same requests."""
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from conftest import BEAM_TASK, SCORE_TASK
+from deploy_env import CONFIG, SERVE, serve_env
+from handlers.local_server import free_ports, http
+
+TEXTS = ["cheap flights to rome", "iphone case", "rome"]
+
+
+@pytest.fixture(scope="module")
+def replica(archives, tmp_path_factory):
+    """(gateway URL, TorchServe's inference URL) of serve.sh serving tiny_score and tiny_beam."""
+    root = tmp_path_factory.mktemp("kserve")
+    (root / "tasks").mkdir()
+    for name, task in (("tiny_score", SCORE_TASK), ("tiny_beam", BEAM_TASK)):
+        (root / "tasks" / f"{name}.yaml").write_text(yaml.safe_dump(task))
+    shutil.copytree(archives["store"], root / "store")
+    gateway, inference, management, metrics, grpc_i, grpc_m, workers = free_ports(7)
+    config = {**CONFIG, "inference_address": "http://0.0.0.0:1",  # serve.sh moves it (TS_INFERENCE_ADDRESS)
+              "management_address": f"http://127.0.0.1:{management}",
+              "metrics_address": f"http://127.0.0.1:{metrics}", "grpc_inference_port": str(grpc_i),
+              "grpc_management_port": str(grpc_m), "initial_worker_port": str(workers)}
+    (root / "ts.properties").write_text("".join(f"{k}={v}\n" for k, v in config.items()))
+    (root / "run" / "tmp").mkdir(parents=True)
+    bindir = str(Path(sys.executable).parent)
+    env = {**serve_env(root, "false", str(archives["checkpoint"]), PATH=f"{bindir}:{os.environ['PATH']}"),
+           "BUILD_ONLY": "0", "KSERVE_GATEWAY": "1", "TS_CONFIG": str(root / "ts.properties"),
+           "TS_INFERENCE_ADDRESS": f"http://127.0.0.1:{inference}", "GATEWAY_ADDRESS": f"127.0.0.1:{gateway}",
+           "MANAGEMENT": f"http://127.0.0.1:{management}", "DRAIN_FILE": str(root / "run" / "draining"),
+           "TMPDIR": str(root / "run" / "tmp"), "LOG_LOCATION": str(root / "run" / "logs"),
+           "METRICS_LOCATION": str(root / "run" / "logs")}
+    log = open(root / "run" / "stdout.log", "wb")
+    proc = subprocess.Popen([str(SERVE)], env=env, cwd=root / "run", stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    base = f"http://127.0.0.1:{gateway}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, (root / "run" / "stdout.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "not ready in 300 s"
+            with contextlib.suppress(OSError):
+                if http("GET", f"{base}/v2/health/ready", timeout=2)[0] == 200:
+                    break
+            time.sleep(0.5)
+        yield base, f"http://127.0.0.1:{inference}"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+def strings(x) -> str:
+    """A BYTES element as the clients give it: str from a JSON answer, bytes from a binary one."""
+    return x.decode() if isinstance(x, bytes) else x
+
+
+def native(base: str, model: str, body: dict) -> dict:
+    status, answer = http("POST", f"{base}/predictions/{model}", json.dumps(body).encode(),
+                          {"Content-Type": "application/json"}, timeout=60)
+    assert status == 200, answer
+    return json.loads(answer)
+
+
+@pytest.mark.slow
+def test_kserve_sdk_v1_and_v2(replica):
+    from kserve import InferenceRESTClient, InferInput, InferRequest, RESTConfig
+
+    base, straight = replica
+    scores = [native(straight, "tiny_score", {"texts": [t]})["scores"][0] for t in TEXTS]
+    # TorchServe itself hands KServe's inference routes to the worker, as /predictions
+    v1_body = json.dumps({"instances": [{"texts": [t]} for t in TEXTS]}).encode()
+    v2_body = json.dumps({"inputs": [{"name": "texts", "datatype": "BYTES", "shape": [3], "data": TEXTS}]}).encode()
+    for route, body in (("/v1/models/tiny_score:predict", v1_body), ("/v2/models/tiny_score/infer", v2_body)):
+        status, answer = http("POST", straight + route, body, {"Content-Type": "application/json"}, timeout=60)
+        assert status == 200, (route, answer)
+
+    async def calls():
+        v1 = InferenceRESTClient(RESTConfig(protocol="v1", timeout=60))
+        assert await v1.is_server_live(base) and await v1.is_model_ready(base, "tiny_score")
+        answer = await v1.infer(base, {"instances": [{"texts": [t]} for t in TEXTS]}, model_name="tiny_score")
+        got = [p["scores"][0] for p in answer["predictions"]]
+        assert np.allclose(got, scores, atol=1e-5), (got, scores)
+        with pytest.raises(Exception, match="instances\\[1\\]: 'texts' must be an array of strings"):
+            await v1.infer(base, {"instances": [{"texts": ["a"]}, {"texts": "b"}]}, model_name="tiny_score")
+        v2 = InferenceRESTClient(RESTConfig(protocol="v2", timeout=60))
+        assert await v2.is_server_ready(base) and await v2.is_model_ready(base, "tiny_beam")
+        for binary in (True, False):
+            texts = InferInput("texts", [3], "BYTES")
+            texts.set_data_from_numpy(np.array([t.encode() for t in TEXTS], dtype=np.object_), binary_data=binary)
+            result = await v2.infer(base, InferRequest("tiny_score", [texts]), model_name="tiny_score")
+            out = {o.name: o for o in result.outputs}
+            assert [strings(x) for x in out["labels"].as_numpy().tolist()] == SCORE_TASK["labels"]
+            assert np.allclose(out["scores"].as_numpy(), scores, atol=1e-5)
+        await v1.close()
+        await v2.close()
+
+    asyncio.run(calls())
+
+
+@pytest.mark.slow
+def test_tritonclient_metadata_binary_tensors_and_errors(replica):
+    import tritonclient.http as triton
+    from tritonclient.utils import InferenceServerException
+
+    base, straight = replica
+    client = triton.InferenceServerClient(base.removeprefix("http://"), network_timeout=60)
+    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("tiny_beam")
+    meta = client.get_model_metadata("tiny_beam")
+    assert [(t["name"], t["datatype"], t["shape"]) for t in meta["inputs"]] == [
+        ("prompt", "BYTES", [1]), ("beam_width", "INT32", [1]), ("new_tokens", "INT32", [1]), ("top", "INT32", [1])]
+    assert [t["name"] for t in meta["outputs"]] == ["text", "token_ids", "score"]
+    want = native(straight, "tiny_beam", {"prompt": "rome", "top": 3})["candidates"]
+    prompt = triton.InferInput("prompt", [1], "BYTES")
+    prompt.set_data_from_numpy(np.array([b"rome"], dtype=np.object_))  # binary, tritonclient's default
+    top = triton.InferInput("top", [1], "INT32")
+    top.set_data_from_numpy(np.array([3], dtype=np.int32))
+    result = client.infer("tiny_beam", [prompt, top], request_id="q-1")
+    assert result.get_response()["id"] == "q-1" and result.get_response()["model_name"] == "tiny_beam"
+    assert [strings(t) for t in result.as_numpy("text").tolist()] == [c["text"] for c in want]
+    ids = result.as_numpy("token_ids")
+    assert ids.shape == (len(want), BEAM_TASK["new_tokens"])
+    assert [[t for t in row if t >= 0] for row in ids.tolist()] == [c["token_ids"] for c in want]
+    assert np.allclose(result.as_numpy("score"), [c["score"] for c in want], atol=1e-4)
+    bad = triton.InferInput("top", [1], "INT32")
+    bad.set_data_from_numpy(np.array([99], dtype=np.int32))
+    with pytest.raises(InferenceServerException, match="'top' must be an integer from 1 to 4"):
+        client.infer("tiny_beam", [prompt, bad])
+    client.close()
