@@ -99,7 +99,8 @@ loadtime)
     for mar in "$WORK"/model-store/slm_*_b?.mar; do
         name=$(basename "$mar" .mar)
         [ -d "$WORK/unpacked/$name" ] || python3 -m zipfile -e "$mar" "$WORK/unpacked/$name"
-        python3 -m bench.load_time --package "$WORK/unpacked/$name" --out "$OUT/loadtime_${name}.json"
+        python3 -m bench.load_time --package "$WORK/unpacked/$name" --out "$OUT/loadtime_${name}.json" \
+            --profile "$OUT/loadtime_profile_${name}.txt"
     done ;;
 catalog)
     # a catalog swapped into the W4 archive: a second 1M-item catalog, as a new archive version

@@ -5,8 +5,9 @@ capability checks into its cache directory, which follows TMPDIR unless TORCHIND
 is set): TMPDIR on the disk or on /dev/shm (memory), alone and two at once (two workers starting
 together).
 
-    python -m bench.load_time --package DIR [--out FILE]
-(DIR: an unpacked slm_*.mar, e.g. by bench.run)
+    python -m bench.load_time --package DIR [--out FILE] [--profile FILE]
+(DIR: an unpacked slm_*.mar, e.g. by bench.run; --profile: one more load under torch.profiler,
+its CPU ops and CUDA runtime calls by self time into FILE)
 """
 
 import argparse
@@ -86,6 +87,53 @@ def _load(pt2: str, under: str, cache: str | None, out) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _profiled(pt2: str, under: str, cache: str, out) -> None:
+    """One load as _load runs it, under torch.profiler: its seconds, and the table of what took
+    them (CUDA runtime calls, allocations and copies among them), by self CPU time."""
+    tmp = tempfile.mkdtemp(dir=under)
+    os.environ["TMPDIR"], os.environ["TORCHINDUCTOR_CACHE_DIR"] = tmp, cache
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.init()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        torch._inductor.aoti_load_package(pt2, run_single_threaded=cuda, **({"device_index": 0} if cuda else {}))
+        if cuda:
+            torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    out.send((seconds, prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)))
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def profiled(pt2: Path, under: Path, cache: Path) -> tuple[float, str, list[dict]]:
+    """_profiled's seconds and table, and what the loading process did each second, read from
+    /proc: its CPU seconds in user and kernel mode, bytes read (all, and from the disk) and RSS,
+    which tell a load that computes from one that reads or one that waits."""
+    ctx = multiprocessing.get_context("spawn")
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_profiled, args=(str(pt2), str(under), str(cache), send))
+    proc.start()
+    send.close()
+    tick, timeline, start = os.sysconf("SC_CLK_TCK"), [], time.perf_counter()
+    while not recv.poll(1.0):
+        try:
+            stat = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            io = dict(line.split(": ") for line in Path(f"/proc/{proc.pid}/io").read_text().splitlines())
+            rss = int(stat[21]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            continue
+        timeline.append({"s": round(time.perf_counter() - start, 1), "user_s": int(stat[11]) / tick,
+                         "sys_s": int(stat[12]) / tick, "read_mb": int(io["rchar"]) / 2**20,
+                         "disk_read_mb": int(io["read_bytes"]) / 2**20, "rss_mb": rss / 2**20})
+    seconds, table = recv.recv()
+    proc.join()
+    return seconds, table, timeline
+
+
 def loads(pt2: Path, under: Path, cache: Path | None, at_once: int) -> list:
     """(seconds, .so files in Inductor's cache) of `at_once` loads started together, each in its
     own process, as workers are."""
@@ -108,6 +156,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--package", type=Path, required=True)
     p.add_argument("--out", type=Path)
+    p.add_argument("--profile", type=Path, help="one more load under torch.profiler: its table into this file")
     args = p.parse_args()
     pt2 = args.package / "graph.pt2"
     disk = Path(tempfile.gettempdir())
@@ -134,6 +183,14 @@ def main() -> None:
         except Exception as e:  # a full /dev/shm, say: recorded, the other steps still run
             result[name] = f"failed: {e!r}"
         print(name, result[name], flush=True)
+    if args.profile:
+        try:
+            seconds, table, timeline = profiled(pt2, disk, cache)
+            result["load disk, profiled (s)"] = seconds
+            result["load disk, profiled: the process each second"] = timeline
+            args.profile.write_text(f"aoti_load_package under torch.profiler: {seconds:.2f} s\n\n{table}\n")
+        except Exception as e:
+            result["load disk, profiled (s)"] = f"failed: {e!r}"
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:
