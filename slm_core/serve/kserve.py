@@ -14,6 +14,7 @@
   `binary_data_size` bytes in order); outputs are always JSON, which clients read either way.
 """
 
+import math
 from typing import Any
 
 import numpy as np
@@ -146,7 +147,7 @@ def _input(tensor: dict, spec: Tensor, where: str, blob: bytes, offset: int) -> 
         raise InputError(f"{where}: 'shape' must be an array of at most {MAX_RANK} sizes (non-negative integers)")
     if len(shape) != len(spec.shape) or any(d != s for d, s in zip(shape, spec.shape) if s >= 0):
         raise InputError(f"{where}: 'shape' must be {list(spec.shape)} (-1: any size), got {shape}")
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    count = math.prod(shape)  # exact: a hostile shape may pass any integer width
     parameters = tensor.get("parameters", {})
     if not isinstance(parameters, dict):
         raise InputError(f"{where}: 'parameters' must be an object, got {json_type(parameters)}")

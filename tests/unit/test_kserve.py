@@ -175,6 +175,7 @@ def texts_input(**change):
     (texts_input(shape=[1, 1]), "'shape' must be [-1] (-1: any size), got [1, 1]"),
     (texts_input(shape=[2]), "'data' holds 1 values, shape [2] needs 2"),
     (texts_input(shape=[-1]), "'shape' must be an array of at most 4 sizes"),
+    (texts_input(shape=[2**70]), "'data' holds 1 values, shape [1180591620717411303424] needs 1180591620717411303424"),
     (texts_input(data=[1]), "data[0] must be a string, got a number"),
     (texts_input(name="text"), "inputs[0]: 'name' must be one of \"texts\", got \"text\""),
     (texts_input(parameters={"binary_data_size": 5}), "has both 'data' and parameters.binary_data_size"),
