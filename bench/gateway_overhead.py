@@ -9,7 +9,6 @@ gateway, straight, gateway), each at `rate` req/s for `seconds`.
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,15 +16,9 @@ import time
 from pathlib import Path
 
 from bench.reliability import open_loop, summary
-from handlers.local_server import TorchServe
+from handlers.local_server import TorchServe, free_ports
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:
@@ -45,7 +38,7 @@ def main() -> None:
     bodies = [json.dumps(b).encode() for b in
               TextMaker(Tokenizer.from_file(str(args.tokenizer)), seed=2).requests(WORKLOADS[args.workload], 500)]
     server = TorchServe(Path(tempfile.mkdtemp(prefix="gateway-")), args.archive.parent).start()
-    port = free_port()
+    (port,) = free_ports(1)
     env = {**os.environ, "GATEWAY_ADDRESS": f"127.0.0.1:{port}", "INFERENCE": server.inference,
            "MANAGEMENT": server.management}
     gateway = subprocess.Popen([sys.executable, str(REPO / "deploy" / "kserve_gateway.py")], env=env)

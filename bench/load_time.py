@@ -11,6 +11,7 @@ its CPU ops and CUDA runtime calls by self time into FILE)
 """
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
@@ -35,6 +36,17 @@ def extract(pt2: Path, under: Path) -> float:
     return seconds
 
 
+def _spawn(target, *args) -> tuple:
+    """A fresh process running target(*args, send), and the end its result arrives on: closed on
+    this side, so that the child's death ends recv() with EOFError instead of a hang."""
+    ctx = multiprocessing.get_context("spawn")
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=target, args=(*args, send))
+    proc.start()
+    send.close()
+    return proc, recv
+
+
 def _dlopen(so: str, out) -> None:
     """Seconds to dlopen the package's .so alone (its weights are in it), in a fresh process that
     has torch loaded already, as a worker has (the .so's undefined symbols are libtorch's)."""
@@ -52,46 +64,23 @@ def dlopen(pt2: Path, under: Path) -> float:
     with zipfile.ZipFile(pt2) as z:
         z.extractall(target)
     so = max(target.rglob("*.so"), key=lambda p: p.stat().st_size)
-    ctx = multiprocessing.get_context("spawn")
-    recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_dlopen, args=(str(so), send))
-    proc.start()
-    send.close()  # the child's death then ends recv() with EOFError instead of a hang
+    proc, recv = _spawn(_dlopen, str(so))
     seconds = recv.recv()
     proc.join()
     shutil.rmtree(target)
     return seconds
 
 
-def _load(pt2: str, under: str, cache: str | None, out) -> None:
+def _load(pt2: str, under: str, cache: str | None, profiled: bool, out) -> None:
     """AOTInductor's load as a worker does it (on CUDA: a single-threaded runner on cuda:0), with
     TMPDIR a fresh directory under `under` (where the package is extracted) and Inductor's cache
     in `cache` (None: under that TMPDIR, so cold); sends its seconds and the files Inductor
-    compiled into its cache meanwhile."""
+    compiled into its cache meanwhile, or, `profiled`, the table of what took them under
+    torch.profiler (CUDA runtime calls, allocations and copies among them), by self CPU time."""
     tmp = tempfile.mkdtemp(dir=under)
     os.environ["TMPDIR"] = tmp
     if cache is not None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
-    import torch
-
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.init()
-    start = time.perf_counter()
-    torch._inductor.aoti_load_package(pt2, run_single_threaded=cuda, **({"device_index": 0} if cuda else {}))
-    if cuda:
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    compiled = sum(1 for f in Path(cache or tmp).rglob("*.so"))
-    out.send((seconds, compiled))
-    shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _profiled(pt2: str, under: str, cache: str, out) -> None:
-    """One load as _load runs it, under torch.profiler: its seconds, and the table of what took
-    them (CUDA runtime calls, allocations and copies among them), by self CPU time."""
-    tmp = tempfile.mkdtemp(dir=under)
-    os.environ["TMPDIR"], os.environ["TORCHINDUCTOR_CACHE_DIR"] = tmp, cache
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -100,24 +89,23 @@ def _profiled(pt2: str, under: str, cache: str, out) -> None:
         torch.cuda.init()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     start = time.perf_counter()
-    with profile(activities=activities) as prof:
+    with profile(activities=activities) if profiled else contextlib.nullcontext() as prof:
         torch._inductor.aoti_load_package(pt2, run_single_threaded=cuda, **({"device_index": 0} if cuda else {}))
         if cuda:
             torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    out.send((seconds, prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)))
+    if profiled:
+        out.send((seconds, prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)))
+    else:
+        out.send((seconds, sum(1 for f in Path(cache or tmp).rglob("*.so"))))
     shutil.rmtree(tmp, ignore_errors=True)
 
 
 def profiled(pt2: Path, under: Path, cache: Path) -> tuple[float, str, list[dict]]:
-    """_profiled's seconds and table, and what the loading process did each second, read from
-    /proc: its CPU seconds in user and kernel mode, bytes read (all, and from the disk) and RSS,
-    which tell a load that computes from one that reads or one that waits."""
-    ctx = multiprocessing.get_context("spawn")
-    recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_profiled, args=(str(pt2), str(under), str(cache), send))
-    proc.start()
-    send.close()
+    """A load's seconds and torch.profiler table (_load), and what the loading process did each
+    second, read from /proc: its CPU seconds in user and kernel mode, bytes read (all, and from
+    the disk) and RSS, which tell a load that computes from one that reads or one that waits."""
+    proc, recv = _spawn(_load, str(pt2), str(under), str(cache), True)
     tick, timeline, start = os.sysconf("SC_CLK_TCK"), [], time.perf_counter()
     while not recv.poll(1.0):
         try:
@@ -137,17 +125,9 @@ def profiled(pt2: Path, under: Path, cache: Path) -> tuple[float, str, list[dict
 def loads(pt2: Path, under: Path, cache: Path | None, at_once: int) -> list:
     """(seconds, .so files in Inductor's cache) of `at_once` loads started together, each in its
     own process, as workers are."""
-    ctx = multiprocessing.get_context("spawn")
-    pipes, procs = [], []
-    for _ in range(at_once):
-        recv, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_load, args=(str(pt2), str(under), cache and str(cache), send))
-        proc.start()
-        send.close()
-        pipes.append(recv)
-        procs.append(proc)
-    results = [p.recv() for p in pipes]
-    for proc in procs:
+    started = [_spawn(_load, str(pt2), str(under), cache and str(cache), False) for _ in range(at_once)]
+    results = [recv.recv() for _, recv in started]
+    for proc, _ in started:
         proc.join()
     return results
 

@@ -1,8 +1,11 @@
 """deploy/'s settings and serve.sh's environment, as the deploy tests read them."""
 
+import contextlib
 import os
 import re
 import shutil
+import signal
+import subprocess
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -31,3 +34,16 @@ def serve_env(tmp_path: Path, python: str, checkpoint: str, **extra) -> dict:
         shutil.copy(TASK, tasks)
     return {**os.environ, "PYTHON": python, "CHECKPOINT": checkpoint, "TASKS_DIR": str(tasks),
             "MODEL_STORE": str(tmp_path / "store"), "DEVICE": "cpu", "BUILD_ONLY": "1", **extra}
+
+
+def stop_replica(proc: subprocess.Popen, timeout: float) -> None:
+    """serve.sh and everything it started (its own process group): SIGTERM, as a pod stops, then
+    after `timeout` s SIGKILL; and SIGKILL for whatever the stop left behind."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)

@@ -1,6 +1,5 @@
 """deploy/serve.sh as a replica runs it, through a real TorchServe (CPU, the demo's archive)."""
 
-import contextlib
 import json
 import os
 import shutil
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy_env import CONFIG, DEPLOY, SERVE, TASK, serve_env
+from deploy_env import CONFIG, DEPLOY, SERVE, TASK, serve_env, stop_replica
 from handlers.local_server import free_ports, http
 
 
@@ -94,14 +93,7 @@ def test_serves_the_real_archive_it_finds(tmp_path, demo):
         drain_under_load(proc, f"http://127.0.0.1:{inference}/predictions/smollm2_intent",
                          lambda: ready(tmp_path / "store"), tmp_path / "run" / "stdout.log")
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError):  # what the drain's stop left, if anything
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_replica(proc, timeout=30)
         log.close()
 
 

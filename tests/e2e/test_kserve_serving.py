@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ import pytest
 import yaml
 
 from conftest import BEAM_TASK, SCORE_TASK
-from deploy_env import CONFIG, SERVE, serve_env
+from deploy_env import CONFIG, SERVE, serve_env, stop_replica
 from handlers.local_server import free_ports, http
 
 TEXTS = ["cheap flights to rome", "iphone case", "rome"]
@@ -64,14 +63,7 @@ def replica(archives, tmp_path_factory):
             time.sleep(0.5)
         yield base, f"http://127.0.0.1:{inference}"
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_replica(proc, timeout=60)
         log.close()
 
 
