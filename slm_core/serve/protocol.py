@@ -102,13 +102,15 @@ def respond_batch(engine: Engine, requests: list[Request], deadlines: Deadlines 
             log.exception("request failed")
             replies[i] = error(500, "internal error while running the request")
     calls: list[list[int]] = [[]]
+    sizes = [0]  # each call's request values
     for i, f in forms.items():  # in order, a call filled up before the next begins
-        if sum(len(forms[j].values) for j in calls[-1]) + len(f.values) > task.max_batch:
+        if sizes[-1] + len(f.values) > task.max_batch:
             calls.append([])
+            sizes.append(0)
         calls[-1].append(i)
-    for call in calls:
+        sizes[-1] += len(f.values)
+    for call, size in zip(calls, sizes):
         if deadlines is not None:
-            size = sum(len(forms[i].values) for i in call)
             call = [i for i in call if not _late(deadlines, requests[i], size, replies, i)]
         if call:
             _call(engine, forms, call, replies)
