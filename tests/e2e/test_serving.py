@@ -359,7 +359,8 @@ def test_scaling_down_under_traffic_loses_at_most_the_stopped_workers_call(serve
     """Two workers of a copy of tiny_score serve two clients sending back to back; scaled to one
     (PUT min_worker=1&max_worker=1). TorchServe 0.12 stops a worker without waiting for its call:
     if the one it stops is busy, that call's requests fail (500 or 507, worker died), at most
-    one batch; nothing else fails and nothing hangs; one worker serves on. README, Workers and
+    one batch, and the PUT itself may answer 500; nothing else fails and nothing hangs; one
+    worker serves on. README, Workers and
     GPUs, says how to scale down losing nothing."""
     from archiver.build import configure
     from slm_core.serving import ServingOptions
@@ -387,7 +388,10 @@ def test_scaling_down_under_traffic_loses_at_most_the_stopped_workers_call(serve
         time.sleep(2.0)
         scaled = time.monotonic()
         status, body = http("PUT", f"{server.management}/models/tiny_scale2?min_worker=1&max_worker=1&synchronous=true")
-        assert status == 200, body
+        # TorchServe 0.12's management thread fails the stopped worker's jobs while that worker's
+        # own thread clears them; when the two meet, the PUT answers 500 ConcurrentModificationException
+        # after the worker was already taken out. The README tells operators to check the count.
+        assert status == 200 or (status == 500 and b"ConcurrentModificationException" in body), body
         time.sleep(2.0)
         workers = server.workers("tiny_scale2")
         batch = json.loads(http("GET", f"{server.management}/models/tiny_scale2")[1])[0]["batchSize"]
