@@ -1,6 +1,8 @@
 """Long texts cut into pieces that encode apart as the whole text does, so that one text's
 tokenizing spreads over the tokenizer's threads (encode_batch_fast runs a batch's strings in
-parallel, one string per thread).
+parallel, one string per thread). A batch is cut only as far as its threads need: into pieces of
+about half a thread's share of its characters, none under PIECE_CHARS; many texts are not cut at
+all, since each cut costs a string and a task of its own.
 
 A text is cut before a space that follows an ASCII letter or digit and precedes an ASCII letter.
 Byte-level BPE tokenizers (GPT-2, Llama 3, Qwen2, SmolLM2) split their pre-tokens there (" word"
@@ -10,6 +12,7 @@ configuration and probes (Pieces.usable); one that is not is encoded whole. The 
 neither truncate nor pad (PackedTokenizer turns both off): each piece would be cut or padded.
 """
 
+import os
 import re
 
 import tokenizers
@@ -41,6 +44,15 @@ def _components(node: dict | None, key: str) -> list[dict]:
     return [node]
 
 
+def tokenizer_threads() -> int:
+    """The threads encode_batch_fast spreads a batch over: its pool's (RAYON_NUM_THREADS, else the
+    CPUs this process may run on), or 1 with TOKENIZERS_PARALLELISM off."""
+    if os.environ.get("TOKENIZERS_PARALLELISM", "").lower() in ("0", "false", "off", "no"):
+        return 1
+    configured = os.environ.get("RAYON_NUM_THREADS", "")
+    return int(configured) if configured.isdigit() and int(configured) > 0 else len(os.sched_getaffinity(0))
+
+
 def cut(text: str, every: int = PIECE_CHARS) -> list[str]:
     """`text` in pieces of about `every` characters, cut before spaces between ASCII words."""
     pieces, at = [], 0
@@ -57,9 +69,12 @@ def cut(text: str, every: int = PIECE_CHARS) -> list[str]:
 class Pieces:
     """Whether a tokenizer's texts may be cut (usable), and their ids encoded in pieces (encode)."""
 
-    def __init__(self, tokenizer: tokenizers.Tokenizer, config: dict, every: int = PIECE_CHARS):
-        """config: the tokenizer's JSON (tokenizer.to_str()), parsed."""
+    def __init__(self, tokenizer: tokenizers.Tokenizer, config: dict, every: int = PIECE_CHARS,
+                 threads: int | None = None):
+        """config: the tokenizer's JSON (tokenizer.to_str()), parsed; every: the shortest piece;
+        threads: the tokenizer's (tokenizer_threads())."""
         self.tokenizer, self.every = tokenizer, every
+        self.threads = threads or tokenizer_threads()
         # the ids the post-processor puts around a text (a BOS, say), which pieces go without
         probe = PROBES[1]
         plain = tokenizer.encode(probe, add_special_tokens=False).ids
@@ -79,7 +94,9 @@ class Pieces:
 
     def encode(self, texts: list[str]) -> list[list[int]]:
         """Each text's ids, its pieces encoded in one parallel pass."""
-        cuts = [cut(t, self.every) for t in texts]
+        # pieces of half a thread's share: cut() leaves a text of up to two pieces whole
+        every = max(self.every, sum(map(len, texts)) // (2 * self.threads))
+        cuts = [cut(t, every) for t in texts]
         encoded = iter(self.tokenizer.encode_batch_fast([p for c in cuts for p in c], add_special_tokens=False))
         out = []
         for c in cuts:

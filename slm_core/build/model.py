@@ -121,7 +121,15 @@ class Block(nn.Module):
         """The block over x [T, hidden]; with `rows`, its output at those rows only (attend must
         then answer for them only)."""
         a, kv = attend(self.input_norm(x))
-        x = (x if rows is None else x.index_select(0, rows)) + a
+        if rows is not None:
+            # Taken from an fp32 copy (exact both ways) so that, in bf16, every consumer of the
+            # residual stream is elementwise: Inductor fuses a residual add into its GEMM (addmm,
+            # which first copies the residual into the output) when a consumer of the sum is not,
+            # an index is not, and each fused add then makes the add before it such a case, back
+            # to layer 0. Unfused, the add joins the next norm's kernel and rounds as transformers
+            # does. (In fp32 the copy is no op and the adds stay fused, in fp32 too.)
+            x = x.float().index_select(0, rows).to(x.dtype)
+        x = x + a
         return x + self.mlp(self.post_norm(x)), kv
 
 

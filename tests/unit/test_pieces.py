@@ -3,12 +3,15 @@ BPE pre-tokenizer the checkpoints bring; tokenizers whose pieces could encode ot
 at load and encoded whole."""
 
 import json
+import os
 import random
+from types import SimpleNamespace
 
 import pytest
 from tokenizers import AddedToken, Regex, Tokenizer, normalizers, pre_tokenizers, processors
 
-from slm_core.pieces import LLAMA3_SPLIT, QWEN2_SPLIT, Pieces, cut
+from slm_core.pieces import LLAMA3_SPLIT, QWEN2_SPLIT, Pieces, cut, tokenizer_threads
+
 WORDS = ["Cheap", "flights", "to", "Rome", "x2", "12", "345", "3.14", "don't", "WE'LL", "it's", "a-b", "c_d",
          "(per", "item)", ",", ".", "!!", "--", "日本語", "ünïcödé", "🤖", "½", "e.g.", "U.S.A.", "<|im_end|>",
          "<|im_start|>user", "Ω≈ç", "naïve", "ﬁne", "Ａｂｃ", "hello", "World", "a", "I"]
@@ -49,7 +52,7 @@ def serialized(tok: Tokenizer) -> dict:
 @pytest.mark.parametrize("name", CUTTABLE)
 def test_pieces_encode_as_the_whole_text(name, byte_level):
     tok = CUTTABLE[name](byte_level())
-    pieces = Pieces(tok, serialized(tok), every=8)  # many cuts per text
+    pieces = Pieces(tok, serialized(tok), every=8, threads=10**6)  # many cuts per text
     assert pieces.usable
     batch = texts(seed=len(name))
     assert sum(len(cut(t, 8)) for t in batch) > 10 * len(batch)  # the texts are cut, many times
@@ -62,10 +65,42 @@ def test_a_post_processors_ids_go_around_the_pieces(byte_level):
     tok.post_processor = processors.TemplateProcessing(single="<|im_start|> $A <|im_end|>",
                                                        special_tokens=[("<|im_start|>", bos),
                                                                        ("<|im_end|>", tok.token_to_id("<|im_end|>"))])
-    pieces = Pieces(tok, serialized(tok), every=8)
+    pieces = Pieces(tok, serialized(tok), every=8, threads=10**6)
     assert pieces.usable and pieces.prefix == [bos]
     batch = texts(seed=3, count=10)
     assert pieces.encode(batch) == [e.ids for e in tok.encode_batch(batch)]
+
+
+def test_a_batch_is_cut_into_about_a_threads_share(byte_level, monkeypatch):
+    """Texts are cut into pieces of about half a thread's share of the batch's characters, never
+    below `every`: one long text over 8 threads in 16 pieces or so; 40 texts over 2 threads not at
+    all."""
+    tok = byte_level()
+    handed = []
+    encode = tok.encode_batch_fast
+    pieces = Pieces(tok, serialized(tok), every=8, threads=8)
+    monkeypatch.setattr(pieces, "tokenizer", SimpleNamespace(
+        encode_batch_fast=lambda batch, **kw: handed.append(len(batch)) or encode(batch, **kw)))
+    long = " ".join(["word"] * 1000)  # 4,999 characters
+    assert pieces.encode([long]) == [e.ids for e in tok.encode_batch([long])]
+    assert 12 <= handed[-1] <= 20, handed
+    pieces.threads = 2
+    batch = texts(seed=5, count=40)
+    assert pieces.encode(batch) == [e.ids for e in tok.encode_batch(batch)]
+    assert handed[-1] == 40
+    pieces.threads, pieces.every = 10**6, 600  # a floor: no piece shorter than `every`
+    assert pieces.encode([long]) == [e.ids for e in tok.encode_batch([long])]
+    assert 4 <= handed[-1] <= 8, handed
+
+
+def test_the_threads_follow_the_tokenizers_settings(monkeypatch):
+    monkeypatch.setenv("RAYON_NUM_THREADS", "3")
+    assert tokenizer_threads() == 3
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    assert tokenizer_threads() == 1
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM")
+    monkeypatch.delenv("RAYON_NUM_THREADS")
+    assert tokenizer_threads() == len(os.sched_getaffinity(0))
 
 
 def added(token: AddedToken, normalizer=None):

@@ -126,6 +126,43 @@ def test_graphs_export_with_dynamic_shapes(random_checkpoint, arch):
             torch.testing.assert_close(ours[2], eager[2], atol=1e-5, rtol=0)
 
 
+class _PostGrad(Exception):
+    """Stops an Inductor compile once its post-grad passes ran (the test needs no code)."""
+
+
+@pytest.mark.parametrize("task", [SCORE, BEAM])
+def test_residual_adds_stay_out_of_the_gemms(qwen3, task, monkeypatch):
+    """In bf16 Inductor, deciding as for a GPU, leaves each residual add to the elementwise kernel after
+    its GEMM (mm, then the add inside the next norm) instead of fusing it as addmm, which copies
+    the residual into the GEMM's output first: an index among the consumers of the residual
+    stream (the last layer's rows) would start that fusion and carry it back through every layer."""
+    import torch._inductor.config as inductor_config
+    import torch._inductor.fx_passes.post_grad as post_grad
+
+    counts = {}
+
+    def after(graph):
+        counts.update({op: len(graph.find_nodes(op="call_function", target=op))
+                       for op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)})
+        raise _PostGrad
+
+    monkeypatch.setattr(post_grad, "is_gpu", lambda device: True)
+    eng = engine_for(qwen3, **task, precision="bf16")
+    program = export_graph(eng.graph, eng.task)
+    with inductor_config.patch(post_grad_custom_post_pass=after), pytest.raises(Exception) as stopped:
+        torch._inductor.aoti_compile_and_package(program)
+    assert any(isinstance(e, _PostGrad) for e in _chain(stopped.value)), stopped.value
+    layers = qwen3.spec.num_layers
+    assert counts[torch.ops.aten.addmm.default] == 0, counts
+    assert counts[torch.ops.aten.mm.default] >= 4 * layers, counts  # each layer's linears, as mm
+
+
+def _chain(error: BaseException):
+    while error is not None:
+        yield error
+        error = error.__cause__ or error.__context__
+
+
 def test_repeated_calls_are_bit_identical(qwen3):
     score = engine_for(qwen3, **SCORE)
     assert score.score(TEXTS_RANDOM) == score.score(TEXTS_RANDOM)
