@@ -14,6 +14,7 @@ import torch
 from tokenizers import Tokenizer
 
 from bench.workloads import WORKLOADS, TextMaker
+from slm_core.pieces import tokenizer_threads
 from slm_core.serve.engine import Engine
 from slm_core.serve.protocol import Request, respond_batch
 from slm_core.spec import TaskSpec
@@ -47,6 +48,7 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=40, help="calls per timing; the median of 5 timings is reported")
     args = p.parse_args()
     tokenizer = Tokenizer.from_file(args.tokenizer)
+    print(f"tokenizer threads: {tokenizer_threads()}")  # the pieces' share follows them (RAYON_NUM_THREADS)
     for name in args.workloads.split(","):
         workload = WORKLOADS[name]
         batches = [int(b) for b in args.batches.split(",")]

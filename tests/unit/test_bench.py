@@ -47,7 +47,8 @@ def test_cpu_path_times_the_handlers_work_around_a_stub_graph(smollm2, tmp_path,
     monkeypatch.setattr(sys, "argv", ["cpu_path", "--tokenizer", str(tmp_path / "tokenizer.json"),
                                       "--workloads", "W2,W1,W1e", "--batches", "1,2", "--calls", "2"])
     cpu_path.main()
-    lines = capsys.readouterr().out.splitlines()
+    threads, *lines = capsys.readouterr().out.splitlines()
+    assert threads == f"tokenizer threads: {cpu_path.tokenizer_threads()}"
     assert [l.split(":")[0] for l in lines] == [f"{w} batch of {b}" for w in ("W2", "W1", "W1e") for b in (1, 2)]
     assert all(float(l.split(": ")[1].split()[0]) > 0 for l in lines)
     tokenizer = smollm2[1].tokenizer
