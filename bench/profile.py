@@ -81,6 +81,12 @@ def main() -> None:
         parts["gpu_kernels_per_call"] = kernels_launched / args.repeat
         parts["gpu_busy_share_of_graph_call"] = busy / parts["graph_ms (copy-in + graph + copy-out)"]
     kernels = averages.table(sort_by=sort, row_limit=25)
+    if torch.cuda.is_available():
+        # every kernel and copy, per call: a lever's before and after line up name by name
+        rows = sorted(((e.self_device_time_total / args.repeat, e.count / args.repeat, e.key) for e in on_gpu),
+                      reverse=True)
+        kernels += "\n\nEvery kernel per call: us, launches, name\n" + "\n".join(
+            f"{us:10.1f} {count:7.1f}  {name}" for us, count, name in rows)
     args.out.write_text(f"{args.workload}, {args.batch} request(s) per call, {args.repeat} repeats, {engine.device}, "
                         f"CUDA graphs {args.cuda_graphs}\n"
                         + json.dumps(parts, indent=2) + "\n\n" + kernels + "\n")
