@@ -50,7 +50,9 @@ def tokenizer_threads() -> int:
     if os.environ.get("TOKENIZERS_PARALLELISM", "").lower() in ("0", "false", "off", "no"):
         return 1
     configured = os.environ.get("RAYON_NUM_THREADS", "")
-    return int(configured) if configured.isdigit() and int(configured) > 0 else len(os.sched_getaffinity(0))
+    if configured.isascii() and configured.isdigit() and int(configured) > 0:
+        return int(configured)
+    return len(os.sched_getaffinity(0))
 
 
 def cut(text: str, every: int = PIECE_CHARS) -> list[str]:

@@ -50,7 +50,8 @@ def binary_form(task: Task, raw: Any, header: str, model: tuple[str, str]) -> Fo
         raise InputError("header Inference-Header-Content-Length needs a binary body (Content-Type: "
                          "application/octet-stream)")
     raw = bytes(raw)
-    size = int(header) if header.strip().isdigit() else -1
+    digits = header.strip()
+    size = int(digits) if digits.isascii() and digits.isdigit() else -1  # "²" is a digit int() refuses
     if not 0 < size <= len(raw):
         raise InputError(f"header Inference-Header-Content-Length must be the JSON header's length in bytes, "
                          f"1 to the body's {len(raw)}, got {bounded(header, 40)!r}")

@@ -211,6 +211,7 @@ def test_v2_beam_bad_tensors_are_named(engines):
 @pytest.mark.parametrize("chunk, header, words", [
     (strings(["ab"]), "x", "Inference-Header-Content-Length must be the JSON header's length"),
     (strings(["ab"]), "100000", "Inference-Header-Content-Length must be the JSON header's length"),
+    (strings(["ab"]), "\u00b2", "Inference-Header-Content-Length must be the JSON header's length"),  # "²": a digit
     (strings(["ab"]) + b"zz", None, "the binary body holds 2 bytes past the inputs' binary_data_size"),
     (struct.pack("<I", 9) + b"ab", None, "is not 1 length-prefixed elements"),
     (struct.pack("<I", 2) + b"\xff\xfe", None, "element 0 is not valid UTF-8 (byte 0)"),

@@ -96,6 +96,10 @@ def test_a_batch_is_cut_into_about_a_threads_share(byte_level, monkeypatch):
 def test_the_threads_follow_the_tokenizers_settings(monkeypatch):
     monkeypatch.setenv("RAYON_NUM_THREADS", "3")
     assert tokenizer_threads() == 3
+    for unset in ("", "0", "\u00b2", "x"):  # rayon's own default then: the CPUs
+        monkeypatch.setenv("RAYON_NUM_THREADS", unset)
+        assert tokenizer_threads() == len(os.sched_getaffinity(0))
+    monkeypatch.setenv("RAYON_NUM_THREADS", "3")
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
     assert tokenizer_threads() == 1
     monkeypatch.delenv("TOKENIZERS_PARALLELISM")
