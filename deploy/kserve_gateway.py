@@ -20,6 +20,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import time
 from importlib import metadata
 from typing import Any
@@ -38,6 +39,10 @@ READ_S = 180.0  # above TorchServe's default responseTimeout (120 s), after whic
 STATE_S = 1.0  # readiness probes and clients' polls reach the management API at most once a second
 METADATA_S = 300.0  # a registered version's description does not change
 DRAINING = "draining: the replica is stopping (deploy/drain.py)"
+# torch-model-archiver's model names, and versions alike: TorchServe decodes a path before it splits
+# it, so a name holding "/" (%2F) would reach another resource (the model list, another version)
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,199}")
+CACHED = 4096  # management answers kept at most (one per registered model and version: far fewer)
 HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "host", "content-length",
        "expect"}
 
@@ -56,6 +61,11 @@ def end_to_end(headers) -> CIMultiDict:
     named = {h.strip().lower() for h in headers.get("Connection", "").split(",")}
     return CIMultiDict((k, v) for k, v in headers.items()
                        if k.lower() not in HOP | named and not k.lower().startswith("proxy-"))
+
+
+def named(name: str, version: "str | None") -> bool:
+    """Whether a path's model name and version can be a registered model's (NAME)."""
+    return NAME.fullmatch(name) is not None and (version is None or NAME.fullmatch(version) is not None)
 
 
 def path(*parts: "str | None") -> str:
@@ -94,6 +104,8 @@ class Gateway:
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
             raise Unavailable(f"TorchServe's management API at {self.management}: {e!r}") from e
         if status == 200:
+            if len(self.cache) >= CACHED:  # never reached by names TorchServe knows; a bound all the same
+                self.cache.clear()
             self.cache[url] = (time.monotonic(), body)
         elif status != 404 or not may_miss:
             raise Unavailable(f"TorchServe's management API: {status} for {url}")
@@ -101,9 +113,14 @@ class Gateway:
 
     async def describe(self, name: str, version: "str | None") -> tuple[int, Any]:
         """(200, describe-model of the version, the default one for None) or (404, why)."""
+        missing = 404, f"model {name[:200]}{f' version {version[:200]}' if version else ''} is not registered"
+        if not named(name, version):
+            return missing
         status, body = await self.manage(path("models", name, version), STATE_S, may_miss=True)
         if status == 404:
-            return 404, f"model {name}{f' version {version}' if version else ''} is not registered"
+            return missing
+        if not (isinstance(body, list) and body and isinstance(body[0], dict)):
+            raise Unavailable(f"TorchServe's management API: no description of {name} ({json.dumps(body)[:100]})")
         return 200, body[0]
 
     async def names(self) -> list[str]:
@@ -162,7 +179,10 @@ class Gateway:
         (TorchServe has no route for a versioned v2 call), any other is passed as it is."""
         target = request.raw_path
         if "name" in request.match_info:
-            target = path("predictions", request.match_info["name"], request.match_info.get("version"))
+            name, version = request.match_info["name"], request.match_info.get("version")
+            if not named(name, version):
+                return error(404, f"model {name[:200]} is not registered")
+            target = path("predictions", name, version)
             target += f"?{request.query_string}" if request.query_string else ""
         if (request.content_length or 0) > MAX_BODY:
             return error(413, f"a request body is at most {MAX_BODY} bytes")

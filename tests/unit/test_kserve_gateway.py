@@ -211,6 +211,32 @@ def test_an_unknown_model_or_version_is_404(stack, path):
     assert status == 404 and "is not registered" in body["error"]
 
 
+@pytest.mark.parametrize("method, path", [
+    ("GET", "/v2/models/%2F"), ("GET", "/v2/models/intent%2F2.0/ready"), ("GET", "/v1/models/..%2Fmodels"),
+    ("GET", "/v2/models/intent/versions/1.0%2F..%2F2.0"), ("POST", "/v2/models/%2F/infer"),
+    ("POST", "/v1/models/intent%2F2.0:predict"), ("POST", "/v2/models/intent/versions/%2E%2E/infer")])
+def test_a_name_no_model_can_have_is_404_and_reaches_nothing(stack, method, path):
+    """TorchServe decodes a path before it splits it: "/models/%2F" is its model list, and
+    "intent%2F2.0" another version. The gateway answers such names itself, as torch-model-archiver
+    would refuse them, and asks TorchServe nothing."""
+    port, fake, _ = stack
+    status, _, body = call(port, method, path, b'{"texts": ["a"]}' if method == "POST" else None)
+    assert status == 404 and "is not registered" in json.loads(body)["error"], body
+    assert fake.calls == {} and fake.got == []
+
+
+@pytest.mark.parametrize("bound, asked", [(4096, 3), (2, 6)])
+def test_the_kept_management_answers_are_bounded(stack, monkeypatch, bound, asked):
+    """The gateway keeps at most CACHED management answers: at the bound it forgets them all and
+    asks again, instead of growing."""
+    port, fake, _ = stack
+    monkeypatch.setattr(kserve_gateway, "STATE_S", 60.0)
+    monkeypatch.setattr(kserve_gateway, "CACHED", bound)
+    for path in ("/v1/models/intent", "/v1/models/complete", "/v2/models/intent/versions/2.0/ready") * 2:
+        assert get(port, path) == (200, {"name": path.split("/")[3], "ready": True})
+    assert sum(fake.calls.values()) == asked, fake.calls
+
+
 def test_v2_model_metadata_from_the_handlers_description(stack):
     port, fake, _ = stack
     expected = {"name": "intent", "versions": ["1.0", "2.0"], "platform": "slm-serve", **TENSORS}
