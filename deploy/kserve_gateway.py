@@ -36,6 +36,7 @@ from ready import unready  # deploy/ready.py, beside this file
 
 MAX_BODY = 17 * 2**20  # TorchServe's max_request_size (16 MiB) and a margin: it answers 413 itself below
 READ_S = 180.0  # above TorchServe's default responseTimeout (120 s), after which it answers itself
+BODY_S = 60.0  # a request's body arrives within this (16 MiB at 0.3 MB/s), or the request is a 408
 STATE_S = 1.0  # readiness probes and clients' polls reach the management API at most once a second
 METADATA_S = 300.0  # a registered version's description does not change
 DRAINING = "draining: the replica is stopping (deploy/drain.py)"
@@ -187,9 +188,11 @@ class Gateway:
         if (request.content_length or 0) > MAX_BODY:
             return error(413, f"a request body is at most {MAX_BODY} bytes")
         try:
-            body = await request.read()
+            body = await asyncio.wait_for(request.read(), BODY_S)
         except web.HTTPRequestEntityTooLarge:  # a chunked one
             return error(413, f"a request body is at most {MAX_BODY} bytes")
+        except asyncio.TimeoutError:  # shorter than its Content-Length, or a client that stalls
+            return error(408, f"the request body did not arrive within {BODY_S:g} s")
         try:
             async with self.session.request(request.method, URL(self.inference + target, encoded=True),
                                             data=body or None, headers=end_to_end(request.headers),

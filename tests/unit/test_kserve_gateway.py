@@ -5,6 +5,7 @@ and bytes it passes both ways, its errors; then KServe's and Triton's own REST c
 import asyncio
 import http.client
 import json
+import socket
 import sys
 import threading
 import time
@@ -320,6 +321,19 @@ def test_a_body_past_torchserves_bound_is_413_and_below_it_passes_whole(stack):
         status, headers, answer = call(port, "POST", "/predictions/intent", body)
         assert status == 413 and "at most" in json.loads(answer)["error"]
     assert len(fake.got) == 1  # neither reached TorchServe
+
+
+def test_a_body_that_does_not_arrive_is_408_and_reaches_nothing(stack, monkeypatch):
+    """A body shorter than its Content-Length, or one that stalls: the gateway answers 408 after
+    BODY_S instead of holding the connection (TorchServe would hold it until the client goes)."""
+    port, fake, _ = stack
+    monkeypatch.setattr(kserve_gateway, "BODY_S", 0.5)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"POST /v2/models/intent/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        start = time.monotonic()
+        answer = s.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 408") and b"did not arrive within 0.5 s" in answer, answer
+    assert time.monotonic() - start < 5 and fake.got == []
 
 
 @pytest.mark.parametrize("method, path, status", [
