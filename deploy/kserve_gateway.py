@@ -69,6 +69,10 @@ def named(name: str, version: "str | None") -> bool:
     return NAME.fullmatch(name) is not None and (version is None or NAME.fullmatch(version) is not None)
 
 
+def unregistered(name: str, version: "str | None") -> str:
+    return f"model {name[:200]}{f' version {version[:200]}' if version else ''} is not registered"
+
+
 def path(*parts: "str | None") -> str:
     return "".join(f"/{quote(p, safe='')}" for p in parts if p)
 
@@ -114,12 +118,11 @@ class Gateway:
 
     async def describe(self, name: str, version: "str | None") -> tuple[int, Any]:
         """(200, describe-model of the version, the default one for None) or (404, why)."""
-        missing = 404, f"model {name[:200]}{f' version {version[:200]}' if version else ''} is not registered"
         if not named(name, version):
-            return missing
+            return 404, unregistered(name, version)
         status, body = await self.manage(path("models", name, version), STATE_S, may_miss=True)
         if status == 404:
-            return missing
+            return 404, unregistered(name, version)
         if not (isinstance(body, list) and body and isinstance(body[0], dict)):
             raise Unavailable(f"TorchServe's management API: no description of {name} ({json.dumps(body)[:100]})")
         return 200, body[0]
@@ -182,7 +185,7 @@ class Gateway:
         if "name" in request.match_info:
             name, version = request.match_info["name"], request.match_info.get("version")
             if not named(name, version):
-                return error(404, f"model {name[:200]} is not registered")
+                return error(404, unregistered(name, version))
             target = path("predictions", name, version)
             target += f"?{request.query_string}" if request.query_string else ""
         if (request.content_length or 0) > MAX_BODY:
