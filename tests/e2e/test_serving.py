@@ -358,10 +358,10 @@ def test_the_kill_step_records_what_a_killed_worker_loses(server, archives):
 def test_scaling_down_under_traffic_loses_at_most_the_stopped_workers_call(server, archives):
     """Two workers of a copy of tiny_score serve two clients sending back to back; scaled to one
     (PUT min_worker=1&max_worker=1). TorchServe 0.12 stops a worker without waiting for its call:
-    if the one it stops is busy, that call's requests fail (500 or 507, worker died), at most
-    one batch, and the PUT itself may answer 500; nothing else fails and nothing hangs; one
-    worker serves on. README, Workers and
-    GPUs, says how to scale down losing nothing."""
+    if the one it stops is busy, that call's requests fail (500 or 507, worker died, or the
+    connection closed unanswered), at most one batch, and the PUT itself may answer 500; nothing
+    else fails and nothing hangs; one worker serves on. README, Workers and GPUs, says how to
+    scale down losing nothing."""
     from archiver.build import configure
     from slm_core.serving import ServingOptions
 
@@ -369,6 +369,7 @@ def test_scaling_down_under_traffic_loses_at_most_the_stopped_workers_call(serve
     server.register("tiny_scale2.mar", workers=2)
     url = f"{server.inference}/predictions/tiny_scale2"
     statuses: list[tuple[float, int]] = []
+    unanswered: list[float] = []  # seconds until the connection closed without an answer
     stop = threading.Event()
 
     def client():
@@ -379,6 +380,7 @@ def test_scaling_down_under_traffic_loses_at_most_the_stopped_workers_call(serve
                               timeout=60)[0]
             except OSError:
                 status = 0
+                unanswered.append(time.monotonic() - sent)
             statuses.append((sent, status))
 
     threads = [threading.Thread(target=client) for _ in range(2)]
@@ -405,7 +407,10 @@ def test_scaling_down_under_traffic_loses_at_most_the_stopped_workers_call(serve
           f"{sum(t > scaled for t, _ in statuses)} after it")
     assert not any(t.is_alive() for t in threads)
     assert len(workers) == 1
-    assert set(failed) <= {500, 507} and len(failed) <= batch, failed
+    # the stopped worker's call: 500 or 507 (worker died), or, as CI once saw, its connection
+    # closed without an answer; never a wait on it
+    assert set(failed) <= {0, 500, 507} and len(failed) <= batch, failed
+    assert all(seconds < 30 for seconds in unanswered), unanswered
     assert sum(t > scaled + 0.5 and s == 200 for t, s in statuses) > 0  # one worker serves on
 
 
