@@ -25,7 +25,8 @@
 # overload request carries that deadline; STEPS=fuzz,overload,kill,gpu-fault adds kill -9 of a worker
 # and a GPU fault beside the workers, each under load for $FAULT_SECONDS (60); STEPS=none SOAK=600: the soak
 # alone; RELIABLE and STEPS: below),
-# PROFILE_GRAPHS="on" (default "on off": the profile step with CUDA graphs and without), $WORKLOADS (default W3,W2,W1), $BENCH_ARGS (more bench.run options for the pipeline's bench step,
+# PROFILE_GRAPHS="on" (default "on off": the profile step with CUDA graphs and without), PROFILE_BEAM
+# (default W2,W3: the beam archives' profiled workloads), $WORKLOADS (default W3,W2,W1), $BENCH_ARGS (more bench.run options for the pipeline's bench step,
 # e.g. --levels). On nvidia-h200-x2, SLM=...,4:8:g2 spreads 4 workers over 2 GPUs.
 # BASE=DIR: a checkout of the baseline commit (e.g. `git archive SHA ':!bench/results' | tar -x -C .base`,
 # carried): its slm $VARIANTS are built beside (into .bench-work/base) and profiled beside this
@@ -86,13 +87,11 @@ profile)
         name=$(basename "$mar" .mar)
         case "$mar" in "$WORK"/base/*) name=base_$name ;; esac
         [ -d "$WORK/unpacked/$name" ] || python3 -m zipfile -e "$mar" "$WORK/unpacked/$name"
-        case "$name" in *score*) ws=W1 ;; *) ws="W2 W3" ;; esac
-        for w in $ws; do
-            for graphs in ${PROFILE_GRAPHS:-on off}; do
-                python3 -m bench.profile --package "$WORK/unpacked/$name" --workload "$w" --batch 1 \
-                    --cuda-graphs $graphs --tokenizer bench/assets/tokenizer.json \
-                    --out "$OUT/profile_${w}_${name}_graphs_${graphs}.txt"
-            done
+        case "$name" in *score*) ws=W1 ;; *) ws=${PROFILE_BEAM:-W2,W3} ;; esac
+        for graphs in ${PROFILE_GRAPHS:-on off}; do  # one package load (tens of seconds) for its workloads
+            python3 -m bench.profile --package "$WORK/unpacked/$name" --workload "$ws" --batch 1 \
+                --cuda-graphs $graphs --tokenizer bench/assets/tokenizer.json \
+                --out "$OUT/profile_{workload}_${name}_graphs_${graphs}.txt"
         done
     done ;;
 loadtime)
@@ -163,6 +162,7 @@ start)
         RELIABILITY=${RELIABILITY:-0} BENCH=${BENCH:-1} SOAK=${SOAK:-} RELIABLE=${RELIABLE:-} STEPS=${STEPS:-} \
         FAULT_SECONDS=${FAULT_SECONDS:-} DEADLINE=${DEADLINE:-} \
         MPS=${MPS:-1} NOMPS_SLM=${NOMPS_SLM:-} CATALOG=${CATALOG:-0} LOADTIME=${LOADTIME:-0} PROFILE_GRAPHS="${PROFILE_GRAPHS:-on off}" \
+        PROFILE_BEAM=${PROFILE_BEAM:-W2,W3} \
         setsid nohup bash "$WORK/pipeline.sh" all > "$WORK/pipeline.log" 2>&1 < /dev/null &
     sleep 5
     bash "$0" follow ;;

@@ -2,7 +2,8 @@
 compiled graph (GPU kernels by torch.profiler), result decode + JSON encode.
 
     python -m bench.profile --package DIR --workload W1 --tokenizer bench/assets/tokenizer.json --out FILE
-(DIR: an unpacked slm_*.mar, e.g. by bench.run)
+(DIR: an unpacked slm_*.mar, e.g. by bench.run). Several workloads share one package load (tens of
+seconds on the H200): --workload W2,W3 --out 'profile_{workload}.txt'.
 """
 
 import argparse
@@ -30,9 +31,9 @@ def timed(fn, repeat: int) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--package", type=Path, required=True)
-    p.add_argument("--workload", default="W1")
+    p.add_argument("--workload", default="W1", help="one or several, comma-separated")
     p.add_argument("--tokenizer", type=Path, required=True)
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", required=True, help="a file; {workload} in it is replaced by each workload's name")
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--batch", type=int, default=1, help="requests per handler call (score: the archive's max_batch)")
     p.add_argument("--cuda-graphs", choices=["on", "off"], default="on")
@@ -40,7 +41,13 @@ def main() -> None:
 
     engine = load_package(args.package, gpu_id=0 if torch.cuda.is_available() else None,
                           cuda_graphs=args.cuda_graphs == "on")
-    workload = WORKLOADS[args.workload]
+    for name in args.workload.split(","):
+        out = Path(args.out.format(workload=name))
+        print(name, json.dumps(profile(engine, name, args, out), indent=2))
+
+
+def profile(engine, name: str, args, out: Path) -> dict:
+    workload = WORKLOADS[name]
     bodies = TextMaker(Tokenizer.from_file(str(args.tokenizer)), seed=2).requests(workload, args.batch)
     body = bodies[0]
     raw = json.dumps(body).encode()
@@ -87,10 +94,10 @@ def main() -> None:
                       reverse=True)
         kernels += "\n\nEvery kernel per call: us, launches, name\n" + "\n".join(
             f"{us:10.1f} {count:7.1f}  {name}" for us, count, name in rows)
-    args.out.write_text(f"{args.workload}, {args.batch} request(s) per call, {args.repeat} repeats, {engine.device}, "
+    out.write_text(f"{name}, {args.batch} request(s) per call, {args.repeat} repeats, {engine.device}, "
                         f"CUDA graphs {args.cuda_graphs}\n"
                         + json.dumps(parts, indent=2) + "\n\n" + kernels + "\n")
-    print(json.dumps(parts, indent=2))
+    return parts
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ computes just their rows, gathered once per call.
 import torch
 import torch.nn.functional as F
 
-from slm_core.build.beam_graph import INF, BeamGraph
+from slm_core.build.beam_graph import INF, BeamGraph, top
 
 
 class CatalogGraph(BeamGraph):
@@ -91,7 +91,7 @@ class CatalogGraph(BeamGraph):
         total = (columns.view(b, beams, f + s) + cum[:, :, None]).flatten(1)
         # 2W columns of -inf behind, so that a prompt has 2W candidates however few its beams have
         total = torch.cat([total, torch.full((b, 2 * self.width), -INF, device=total.device)], dim=1)
-        scores, flat = total.topk(2 * self.width, dim=1)
+        scores, flat, place = top(total, 2 * self.width)
         flat = torch.where(flat < beams * (f + s), flat, 0)
 
         def pick(per_column: torch.Tensor) -> torch.Tensor:  # [R, F+S] -> each candidate's [B, 2W]
@@ -102,4 +102,4 @@ class CatalogGraph(BeamGraph):
         next_node = pick(torch.cat([idx, torch.zeros_like(idx[:, :1]).expand(-1, s)], dim=1))
         item = pick(torch.cat([edge[..., 1], completes[:, None].expand(-1, s)], dim=1))
         token = pick(torch.cat([vocab[edge[..., 0]], self.stop_ids[None, :].expand(u.shape[0], -1)], dim=1))
-        return scores, flat // (f + s), token, is_stop, (next_node, is_stop), item
+        return scores, place, flat // (f + s), token, is_stop, (next_node, is_stop), item
