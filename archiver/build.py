@@ -189,16 +189,22 @@ def _archive(stage: Path, handler: Path, serving: ServingSpec, name: str, export
     progress(f"serving: {serving.workers} worker(s) taking up to {serving.batch} request(s) per call, "
              f"queue {serving.queue}" + ("" if serving.cuda_graphs or serving.device == "cpu" else ", no CUDA graphs"))
     progress(f"writing {export / (name + '.mar')}")
-    generate_model_archive(ModelArchiverConfig(
-        model_name=name,
-        handler=str(handler),
-        version=version,
-        extra_files=str(stage),
-        export_path=str(export),
-        archive_format="zip-store",  # graph.pt2 is already a zip of weights: storing is as small and much faster
-        force=True,
-        config_file=str(config),
-    ))
+    # torch-model-archiver stages the files in gettempdir()/NAME, so two builds of one name at once
+    # (a baseline's beside this tree's) would write into and delete each other's: stage in ours
+    shared, tempfile.tempdir = tempfile.tempdir, str(tmp)
+    try:
+        generate_model_archive(ModelArchiverConfig(
+            model_name=name,
+            handler=str(handler),
+            version=version,
+            extra_files=str(stage),
+            export_path=str(export),
+            archive_format="zip-store",  # graph.pt2 is already a zip of weights: storing is as small and much faster
+            force=True,
+            config_file=str(config),
+        ))
+    finally:
+        tempfile.tempdir = shared
     mar = export / f"{name}.mar"
     progress(f"done: {mar} ({mar.stat().st_size / 1e6:.0f} MB)")
     return mar

@@ -307,14 +307,17 @@ class Record(NamedTuple):
 
 
 def open_loop(url: str, bodies: list[bytes], phases: list[tuple[float, float]], timeout: float = 30.0,
-              deadline_ms: float | None = None, processes: int | None = None, on_start=None) -> list[Record]:
+              deadline_ms: float | None = None, processes: int | None = None, on_start=None,
+              on_records=None, report_s: float = 30.0) -> list[Record]:
     """Requests at each phase's (rate per second, seconds), one phase after the other, each sent on
     schedule whatever the others are doing (open loop; no client-side limit on connections), from
     `processes` generator processes that take turns in the schedule (default: one per
     RATE_PER_PROCESS req/s of the fastest phase, at most the cores but two), so that one event
     loop's own delays neither hold requests back nor count as server time. With deadline_ms, each
     request carries it (X-Slm-Deadline-Ms) and its send time as a proxy stamps it
-    (X-Request-Start). on_start() runs in this process as the schedule starts."""
+    (X-Request-Start). on_start() runs in this process as the schedule starts; on_records(records,
+    until) with the answers so far (unsorted), about every `report_s` seconds: every request
+    answered before `until` (s into the schedule) is among them (a long run cut short keeps them)."""
     due, begin = [], 0.0
     for rate, seconds in phases:
         due += [begin + i / rate for i in range(math.ceil(rate * seconds - 1e-9))]
@@ -324,7 +327,8 @@ def open_loop(url: str, bodies: list[bytes], phases: list[tuple[float, float]], 
     ctx = multiprocessing.get_context("spawn")  # no fork of this process's threads (Memory's, a fault timer)
     ready, results = ctx.Barrier(processes + 1), ctx.Queue()
     parts = [ctx.Process(target=_open_loop_part, daemon=True,
-                         args=(url, bodies, due[k::processes], k, processes, timeout, deadline_ms, ready, results))
+                         args=(url, bodies, due[k::processes], k, processes, timeout, deadline_ms, report_s, ready,
+                               results))
              for k in range(processes)]
     for part in parts:
         part.start()
@@ -332,7 +336,14 @@ def open_loop(url: str, bodies: list[bytes], phases: list[tuple[float, float]], 
     if on_start:
         on_start()
     # read before join: a process does not exit while its records wait in a full pipe
-    out = [r for _ in parts for r in results.get(timeout=begin + timeout + STARTUP_S)]
+    out: list[Record] = []
+    clocks = [0.0] * processes  # per generator: the schedule's time at its last hand-over
+    while min(clocks) < math.inf:
+        part, clock, chunk = results.get(timeout=begin + timeout + STARTUP_S)
+        clocks[part] = clock
+        out += chunk
+        if on_records:
+            on_records(out, min(clocks))
     for part in parts:
         part.join()
     return sorted(out)
@@ -343,13 +354,22 @@ STARTUP_S = 60.0  # a generator process not ready by then has failed
 
 
 def _open_loop_part(url: str, bodies: list[bytes], due: list[float], part: int, parts: int, timeout: float,
-                    deadline_ms: float | None, ready, results) -> None:
+                    deadline_ms: float | None, report_s: float, ready, results) -> None:
     """open_loop's generator `part` of `parts`: the requests due at `due` (s from the start),
-    request i of the schedule at due[i // parts] with body i."""
+    request i of the schedule at due[i // parts] with body i. Its answers go to `results` in chunks,
+    about every `report_s` seconds, as (part, the schedule's time then, answers); inf at the end."""
     import aiohttp
 
     async def go():
+        nonlocal start
         out: list[Record] = []
+        handed = [time.perf_counter()]
+
+        def hand_over(end: bool = False) -> None:
+            handed[0] = time.perf_counter()
+            results.put((part, math.inf if end else handed[0] - start, out[:]))
+            out.clear()
+
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout)) as session:
             async def one(body: bytes, at: float, scheduled: float):
@@ -365,6 +385,8 @@ def _open_loop_part(url: str, bodies: list[bytes], due: list[float], part: int, 
                 except (aiohttp.ClientError, asyncio.TimeoutError):
                     status = 0
                 out.append(Record(at, (time.perf_counter() - sent) * 1e3, status, worker, (sent - scheduled) * 1e3))
+                if time.perf_counter() - handed[0] > report_s:
+                    hand_over()
 
             await asyncio.get_running_loop().run_in_executor(None, ready.wait, STARTUP_S)
             # Only the requests in flight are held: finished tasks kept to the end would make each
@@ -380,9 +402,10 @@ def _open_loop_part(url: str, bodies: list[bytes], due: list[float], part: int, 
                 pending.add(task)
                 task.add_done_callback(pending.discard)
             await asyncio.gather(*pending)
-        return out
+        hand_over(end=True)
 
-    results.put(asyncio.run(go()))
+    start = time.perf_counter()
+    asyncio.run(go())
 
 
 class Memory:
@@ -485,19 +508,36 @@ def overload(url: str, management: str, model: str, bodies: list[bytes], capacit
 
 
 def soak(url: str, management: str, model: str, bodies: list[bytes], capacity: float, seconds: float,
-         window: float = 60.0) -> dict:
+         window: float = 60.0, on_window=None, timeout: float = 30.0) -> dict:
     """0.8x capacity for `seconds`, reported per window of `window` seconds: latency and memory;
-    and the workers' pids before and after (a restarted worker has a new one)."""
+    and the workers' pids before and after (a restarted worker has a new one). on_window(report)
+    gets the report so far each time a window's requests have all been answered."""
     before = worker_pids(management, model)
     started: list[float] = []
+    windows: list[dict] = []
+
+    def report(records: list[Record], until: float = math.inf) -> dict:
+        while len(windows) < int(seconds // window):
+            k = len(windows)
+            if until < (k + 1) * window + timeout:  # a request of the window may still be answered
+                break
+            windows.append({"from_s": k * window,
+                            **summary([r for r in records if k * window <= r.sent < (k + 1) * window], window),
+                            **memory.between(started[0] + k * window, started[0] + (k + 1) * window)})
+        return {"capacity": capacity, "rate": 0.8 * capacity, "seconds": seconds, "windows": windows[:],
+                "workers_before": before}
+
+    def progress(records: list[Record], until: float) -> None:
+        done = len(windows)
+        now = report(records, until)
+        if on_window and len(windows) > done:
+            on_window(now)
+
     with Memory(management, model) as memory:
-        records = open_loop(url, bodies, [(0.8 * capacity, seconds)],
-                            on_start=lambda: started.append(time.perf_counter() - memory.start))
-    windows = [{"from_s": k * window, **summary([r for r in records if k * window <= r.sent < (k + 1) * window], window),
-                **memory.between(started[0] + k * window, started[0] + (k + 1) * window)}
-               for k in range(int(seconds // window))]
-    return {"capacity": capacity, "rate": 0.8 * capacity, "seconds": seconds, "windows": windows,
-            "workers_before": before, "workers_after": worker_pids(management, model)}
+        records = open_loop(url, bodies, [(0.8 * capacity, seconds)], timeout=timeout,
+                            on_start=lambda: started.append(time.perf_counter() - memory.start), on_records=progress,
+                            report_s=min(30.0, window / 2))
+    return {**report(records), "workers_after": worker_pids(management, model)}
 
 
 def fault(url: str, management: str, model: str, bodies: list[bytes], capacity: float, inject, seconds: float,
@@ -640,7 +680,11 @@ def main() -> None:
                 results[name] = fault(args.url, args.management, args.model, bodies, capacity, FAULTS[name],
                                       args.fault_seconds)
             else:
-                results[name] = soak(args.url, args.management, args.model, bodies, capacity, args.seconds)
+                def partial(report: dict, name=name) -> None:  # a run cut short keeps the minutes it finished
+                    if args.out:
+                        args.out.write_text(json.dumps({**results, name: report}, indent=1) + "\n")
+                results[name] = soak(args.url, args.management, args.model, bodies, capacity, args.seconds,
+                                     on_window=partial)
             if args.out:  # after every step: a run cut short keeps the steps it finished
                 args.out.write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
     finally:

@@ -214,6 +214,40 @@ def test_the_open_loop_sends_every_phase_on_schedule_from_several_processes():
     assert 1.45 < took < 10
 
 
+def test_the_open_loop_hands_its_answers_over_while_it_runs():
+    """on_records gets the answers so far during the run, and with them a time before which every
+    request answered is among them: a soak cut short keeps the minutes it finished."""
+    from bench.reliability import open_loop
+
+    calls: list[tuple[int, float]] = []
+    with stand_in_server(lambda body: (200, {}, b"{}")) as url:
+        records = open_loop(url, [b"0"], [(40, 2.0)], processes=2, report_s=0.3,
+                            on_records=lambda so_far, until: calls.append((len(so_far), until)))
+    assert len(records) == 80
+    during = [(n, until) for n, until in calls if until < math.inf]
+    assert len([n for n, _ in during if n < 80]) >= 3  # handed over while requests were still due
+    assert calls[-1] == (80, math.inf)
+    for n, until in during:  # every request answered before `until` was handed over by then
+        assert n >= sum(r.sent + (r.lag_ms + r.ms) / 1e3 < until - 0.05 for r in records), (n, until)
+    assert [u for _, u in calls] == sorted(u for _, u in calls)
+
+
+def test_a_soak_reports_each_window_once_its_requests_are_answered(monkeypatch):
+    """soak's on_window: the report so far, a window more each time, before the run ends."""
+    from bench import reliability
+
+    monkeypatch.setattr(reliability, "worker_pids", lambda management, model: ["1"])
+    reports: list[dict] = []
+    with stand_in_server(lambda body: (200, {}, b"{}")) as url:
+        result = reliability.soak(url, "unused", "m", [b"0"], capacity=50, seconds=3.0, window=1.0, timeout=0.5,
+                                  on_window=lambda report: reports.append(report))
+    counts = [len(r["windows"]) for r in reports]
+    assert counts and counts[0] < 3 and counts == sorted(set(counts)) and counts[-1] == 3, counts
+    assert len(result["windows"]) == 3 and result["workers_after"] == ["1"]
+    assert [w["from_s"] for w in result["windows"]] == [0.0, 1.0, 2.0]
+    assert reports[0]["windows"][0] == result["windows"][0]
+
+
 def test_reliability_judges_answers_under_load_against_the_answer_alone():
     """bench.reliability: a valid request's answer under load is compared with its answer alone,
     exactly (1e-5, the CPU default) or within its package's compiled-against-eager tolerance

@@ -3,7 +3,9 @@ refusal of what a worker cannot run, and archives configured anew from a built o
 
 import json
 import shutil
+import tempfile
 import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,8 +95,17 @@ def test_configure_writes_a_new_archive_of_the_same_package(archives, tmp_path):
     from archiver.build import read_serving
 
     src = archives["store"] / "tiny_score.mar"
-    assert main(["configure", "--archive", str(src), "--export-path", str(tmp_path), "--model-name", "tiny_x2",
-                 "--workers", "2", "--queue", "7"]) == 0
+    # torch-model-archiver's own staging place for this name, taken (as by another build of it at
+    # the same time): the build stages in its own temporary folder
+    taken = Path(tempfile.gettempdir()) / "tiny_x2"
+    taken.write_text("another build's")
+    try:
+        assert main(["configure", "--archive", str(src), "--export-path", str(tmp_path), "--model-name", "tiny_x2",
+                     "--workers", "2", "--queue", "7"]) == 0
+        assert taken.read_text() == "another build's"
+    finally:
+        taken.unlink()
+    assert tempfile.gettempdir() == str(taken.parent)  # the process's temporary folder as it was
     assert read_serving(tmp_path / "tiny_x2.mar") == ServingSpec("cpu", 2, 2, 7)  # two workers split max_batch 3
     with zipfile.ZipFile(src) as a, zipfile.ZipFile(tmp_path / "tiny_x2.mar") as b:
         same = [n for n in a.namelist() if not n.startswith("MAR-INF/") and n != "model-config.yaml"]
