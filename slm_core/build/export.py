@@ -40,9 +40,26 @@ def export_graph(graph: torch.nn.Module, task: Task) -> ExportedProgram:
         return torch.export.export(graph, example_inputs(task, device), dynamic_shapes=dynamic_shapes(task), strict=False)
 
 
-def compile_package(program: ExportedProgram, path: str) -> str:
+def compile_package(program: ExportedProgram, path: str, progress=None) -> str:
     """AOTInductor package of an exported graph at `path`. Compiled size-obliviously too: otherwise
     Inductor's own tracing guards on a dynamic size being 1 and, when the example is not 1,
-    silently specialises it (found with the beam graph: a batch of 2 prompts became the only size)."""
+    silently specialises it (found with the beam graph: a batch of 2 prompts became the only size).
+    progress(line), if given, gets where the compile's time went: the compile is most of a
+    build, and of the device time a GPU build takes."""
+    before = _phase_seconds()
     with fx_config.patch(backed_size_oblivious=True):
-        return torch._inductor.aoti_compile_and_package(program, package_path=path)
+        out = torch._inductor.aoti_compile_and_package(program, package_path=path)
+    if progress is not None:
+        spent = {k: v - before.get(k, 0.0) for k, v in _phase_seconds().items()}
+        top = sorted(((v, k) for k, v in spent.items() if v >= 1.0), reverse=True)[:8]
+        progress("AOTInductor's phases (s, nested): " + ", ".join(f"{k} {v:.1f}" for v, k in top))
+    return out
+
+
+def _phase_seconds() -> dict[str, float]:
+    """Seconds per timed phase of torch.compile/AOTInductor in this process so far."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:  # a torch without them: the build goes on without the breakdown
+        return {}
+    return {k: sum(v) for k, v in compilation_time_metrics.items()}

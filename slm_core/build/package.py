@@ -56,7 +56,7 @@ def build_package(ckpt: Checkpoint, spec: TaskSpec, runtime: RuntimeSpec, out_di
     graph = step("building the eager graph", lambda: build_graph(ckpt, task, runtime))
     program = step("torch.export", lambda: export_graph(graph, task))
     path = step(f"AOTInductor compile for {dev.type} (on 2 CPU cores: ~1 min for a 30-layer score graph, "
-                "~4 for a beam graph)", lambda: compile_package(program, str(out_dir / package.GRAPH)))
+                "~4 for a beam graph)", lambda: compile_package(program, str(out_dir / package.GRAPH), progress))
     eager = Engine(graph, task, dev)
     compiled = Engine(load_graph(path), task, dev)
     check = step("checking the compiled graph against eager", lambda: check_compiled(eager, compiled))

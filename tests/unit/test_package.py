@@ -4,6 +4,7 @@ refusal of what a worker cannot run, and archives configured anew from a built o
 import json
 import shutil
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -183,3 +184,34 @@ def test_the_cli_refuses_bad_serving_flags_before_loading_anything(capsys):
         assert main(base + argv) == 2
         assert message in capsys.readouterr().err
     assert main(base) == 2 and "t.yaml" in capsys.readouterr().err
+
+
+def test_the_build_says_where_the_compile_time_went(tmp_path):
+    """compile_package's progress line: AOTInductor's phases of this compile only, the largest
+    first (a CPU compile's time is mostly its C++ compile)."""
+    from slm_core.build.export import compile_package
+
+    class Small(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linears = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(4))
+
+        def forward(self, x):
+            for linear in self.linears:
+                x = torch.relu(linear(x)) + x
+            return x
+
+    program = torch.export.export(Small(), (torch.randn(4, 32),))
+    said: list[str] = []
+    took: list[float] = []
+    for name in ("a.pt2", "b.pt2"):
+        start = time.perf_counter()
+        compile_package(program, str(tmp_path / name), said.append)
+        took.append(time.perf_counter() - start)
+    assert len(said) == 2 and all(line.startswith("AOTInductor's phases (s, nested): ") for line in said)
+    for line, seconds in zip(said, took):
+        phases = dict(p.rsplit(" ", 1) for p in line.split(": ", 1)[1].split(", "))
+        assert "compile_file" in phases, line
+        assert list(map(float, phases.values())) == sorted(map(float, phases.values()), reverse=True)
+        assert float(phases["compile_file"]) <= seconds + 0.1  # this compile's, not the process's so far
+
