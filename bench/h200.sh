@@ -10,6 +10,7 @@
 #                              # peer on W1-W3, served-answer check, report, PNGs
 #   bash bench/h200.sh profile # where one request's time goes, per archive, CUDA graphs on/off
 #   bash bench/h200.sh loadtime # where a worker's package load goes (bench.load_time), per default archive
+#   bash bench/h200.sh cpupath # the handler's CPU path (bench.cpu_path) per tokenizer thread pool size
 #   bash bench/h200.sh reliability # on the archiver's default deployments: bad input (bench.reliability fuzz),
 #                              # 3x capacity for 60 s (overload); $SOAK seconds at 0.8x capacity if set
 #   bash bench/h200.sh start   # in the background: build beside check + kernels, then profile, then bench,
@@ -20,7 +21,8 @@
 # stays warm, so each next call is just `follow`, back to back (the machine goes back when idle).
 # Needs: carry [".devbundle", "bench/assets"]; $OUT (the device tool's output folder); $COMMIT.
 # Optional: $VARIANTS, $SLM (below), $SYSTEMS (slm,hf: SYSTEMS=slm leaves the peer out), PROFILE=0, CHECK=0, KERNELS=0,
-# BENCH=0, LOADTIME=1 (the loadtime step after the profiles),
+# BENCH=0, LOADTIME=1 (the loadtime step after the profiles), CPU_PATH=1 (first, the host quiet: bench.cpu_path
+# per tokenizer thread pool size, $CPU_PATH_THREADS, default "1 2 4 16"),
 # RELIABILITY=1 (the reliability step after the bench; SOAK=600 adds the soak; DEADLINE=80: every
 # overload request carries that deadline; STEPS=fuzz,overload,kill,gpu-fault adds kill -9 of a worker
 # and a GPU fault beside the workers, each under load for $FAULT_SECONDS (60); STEPS=none SOAK=600: the soak
@@ -94,6 +96,13 @@ profile)
                 --out "$OUT/profile_{workload}_${name}_graphs_${graphs}.txt"
         done
     done ;;
+cpupath)
+    # the handler's CPU path on this host, per size of the tokenizer's thread pool (a thread pool's
+    # start-up may cost small batches more than it saves)
+    for threads in ${CPU_PATH_THREADS:-1 2 4 16}; do
+        RAYON_NUM_THREADS=$threads python3 -m bench.cpu_path --tokenizer bench/assets/tokenizer.json \
+            --workloads W1,W2,W3 --batches 1,2,4
+    done ;;
 loadtime)
     for mar in "$WORK"/model-store/slm_*_b?.mar; do
         name=$(basename "$mar" .mar)
@@ -136,6 +145,7 @@ reliability)
 all)
     export OUT=$PIPE
     mkdir -p "$OUT"
+    [ "${CPU_PATH:-0}" = 1 ] && bash "$0" cpupath > "$OUT/cpu_path_threads.txt" 2>&1  # first: the host quiet
     mps "${MPS:-1}"
     bash "$0" build > "$OUT/build.log" 2>&1 &
     [ "${CHECK:-1}" = 1 ] && { bash "$0" check > "$OUT/check.log" 2>&1
@@ -162,7 +172,7 @@ start)
         RELIABILITY=${RELIABILITY:-0} BENCH=${BENCH:-1} SOAK=${SOAK:-} RELIABLE=${RELIABLE:-} STEPS=${STEPS:-} \
         FAULT_SECONDS=${FAULT_SECONDS:-} DEADLINE=${DEADLINE:-} \
         MPS=${MPS:-1} NOMPS_SLM=${NOMPS_SLM:-} CATALOG=${CATALOG:-0} LOADTIME=${LOADTIME:-0} PROFILE_GRAPHS="${PROFILE_GRAPHS:-on off}" \
-        PROFILE_BEAM=${PROFILE_BEAM:-W2,W3} \
+        PROFILE_BEAM=${PROFILE_BEAM:-W2,W3} CPU_PATH=${CPU_PATH:-0} CPU_PATH_THREADS="${CPU_PATH_THREADS:-1 2 4 16}" \
         setsid nohup bash "$WORK/pipeline.sh" all > "$WORK/pipeline.log" 2>&1 < /dev/null &
     sleep 5
     bash "$0" follow ;;
@@ -174,5 +184,5 @@ follow)
     for f in "$PIPE"/*.log; do echo "== $f"; tail -n 8 "$f"; done
     [ -e "$PIPE/DONE" ] && echo PIPELINE DONE || echo "PIPELINE RUNNING (follow again)" ;;
 *)
-    echo "usage: bench/h200.sh build|check|check-full|kernels|gemm|bench|profile|loadtime|reliability|start|follow" >&2; exit 2 ;;
+    echo "usage: bench/h200.sh build|check|check-full|kernels|gemm|bench|profile|loadtime|cpupath|reliability|start|follow" >&2; exit 2 ;;
 esac
