@@ -95,8 +95,8 @@ def profile(engine, name: str, args, out: Path) -> dict:
         kernels += "\n\nEvery kernel per call: us, launches, name\n" + "\n".join(
             f"{us:10.1f} {count:7.1f}  {name}" for us, count, name in rows)
     out.write_text(f"{name}, {args.batch} request(s) per call, {args.repeat} repeats, {engine.device}, "
-                        f"CUDA graphs {args.cuda_graphs}\n"
-                        + json.dumps(parts, indent=2) + "\n\n" + kernels + "\n")
+                   f"CUDA graphs {args.cuda_graphs}\n"
+                   + json.dumps(parts, indent=2) + "\n\n" + kernels + "\n")
     return parts
 
 
