@@ -25,6 +25,7 @@ from kernels.qkv_rope import qkv_rope
 from kernels.layer_ref import qkv_rope_ref, silu_mul_ref
 from kernels.silu_mul import silu_mul
 from kernels.vocab_topk import vocab_topk
+from slm_core.build.beam_graph import top
 
 
 def median_ms(fn, iters: int = 50) -> float:
@@ -236,6 +237,40 @@ def topk(rows: int, k: int, vocab: int = 151936) -> dict:
     return {"shape": f"{rows} rows x {vocab}, k={k}", "results": r}
 
 
+def two_level_top(x: torch.Tensor, k: int, chunks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """beam_graph.top (unsorted top k with places) by way of each of `chunks` column chunks' top k:
+    exact, and torch.topk takes a row of fewer columns in one block instead of its multi-block
+    radix select (a [1, 20,000] row, W2's, is just at that threshold)."""
+    rows, m = x.shape
+    part = m // chunks
+    vals, ids = x.view(rows, chunks, part).topk(k, dim=-1, sorted=False)
+    ids = ids + torch.arange(0, m, part, device=x.device)[:, None]
+    values, at = vals.flatten(1).topk(k, dim=-1, sorted=False)
+    idx = ids.flatten(1).gather(1, at)
+    above, tied = values[:, None, :] > values[:, :, None], values[:, None, :] == values[:, :, None]
+    return values, idx, (above | (tied & (idx[:, None, :] < idx[:, :, None]))).sum(2)
+
+
+def selection(prompts: int, width: int) -> dict:
+    """A beam step's selection: per prompt the top 2W of its W x 2W continuations (fp32) and their
+    places, compiled as in the graphs."""
+    k = 2 * width
+    x = torch.randn(prompts, width * k, device="cuda") * 3 - 20
+    ref = x.topk(k, dim=1).values
+    variants = {"torch.topk sorted (the graphs before)": torch.compile(lambda x: x.topk(k, dim=1)),
+                "beam_graph.top: unsorted + places (the graphs')": torch.compile(lambda x: top(x, k))}
+    for chunks in (2, 4, 8):
+        if (width * k) % chunks == 0 and (width * k) // chunks >= k:
+            variants[f"two levels, {chunks} chunks, + places"] = torch.compile(
+                lambda x, c=chunks: two_level_top(x, k, c))
+    r = {}
+    for name, fn in variants.items():
+        call = lambda f=fn: f(x)  # noqa: E731
+        r[name] = {"eager_call_ms": median_ms(call), "gpu_ms": graph_ms(call),
+                   "rel_err": rel_err(call()[0].sort(-1, descending=True).values, ref)}
+    return {"shape": f"{prompts} prompt(s) x {width * k} continuations, k={k}", "results": r}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -255,6 +290,7 @@ def main() -> None:
         "W1 SiLU * up": mlp_act(1640, 3072),
         "W2 decode SiLU * up, 4 prompts": mlp_act(400, 4864),
         **{f"beam top-k, {rows} beams": topk(rows, 200) for rows in (100, 400, 800)},
+        **{f"beam selection, W={w}, {b} prompt(s)": selection(b, w) for w, b in ((100, 1), (100, 4), (100, 8), (400, 1))},
     }
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
