@@ -271,6 +271,32 @@ def selection(prompts: int, width: int) -> dict:
     return {"shape": f"{prompts} prompt(s) x {width * k} continuations, k={k}", "results": r}
 
 
+def counted_top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x.topk(k, dim=1) of a short row, sorted (equal values by index; NaN above all, as there),
+    with no top-k kernel: each value's place is how many values beat it ([B, M, M]), and the first
+    k places are scattered out (a place past k to a spare column)."""
+    rows, m = x.shape
+    idx = torch.arange(m, device=x.device)
+    a, b, nan_a, nan_b = x[:, None, :], x[:, :, None], x.isnan()[:, None, :], x.isnan()[:, :, None]
+    above, tied = (a > b) | (nan_a & ~nan_b), (a == b) | (nan_a & nan_b)
+    place = (above | (tied & (idx[None, None, :] < idx[None, :, None]))).sum(2).clamp_max(k)
+    values = torch.full((rows, k + 1), float("nan"), device=x.device).scatter(1, place, x)[:, :k]
+    ids = torch.zeros(rows, k + 1, dtype=torch.int64, device=x.device).scatter(1, place, idx.expand(rows, m))[:, :k]
+    return values, ids
+
+
+def small_selection(prompts: int, width: int, columns: int) -> dict:
+    """The beam step's short sorted top-k: the running beams (W of 2W per prompt) or the finished
+    pool's merge (W of 3W), torch.topk against counting places."""
+    x = torch.randn(prompts, columns, device="cuda") * 3 - 20
+    ref = x.topk(width, dim=1).values
+    r = {}
+    for name, fn in {"torch.topk sorted (the graphs')": torch.compile(lambda x: x.topk(width, dim=1)),
+                     "counted places, scattered": torch.compile(lambda x: counted_top(x, width))}.items():
+        r[name] = timed(lambda f=fn: f(x)[0], ref)
+    return {"shape": f"{prompts} prompt(s) x {columns}, k={width}", "results": r}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -291,6 +317,8 @@ def main() -> None:
         "W2 decode SiLU * up, 4 prompts": mlp_act(400, 4864),
         **{f"beam top-k, {rows} beams": topk(rows, 200) for rows in (100, 400, 800)},
         **{f"beam selection, W={w}, {b} prompt(s)": selection(b, w) for w, b in ((100, 1), (100, 4), (100, 8), (400, 1))},
+        **{f"beam {what}, W={w}, {b} prompt(s)": small_selection(b, w, n * w)
+           for what, n in (("running beams", 2), ("pool merge", 3)) for w, b in ((100, 1), (100, 8), (400, 1))},
     }
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
