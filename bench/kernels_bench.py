@@ -25,7 +25,7 @@ from kernels.qkv_rope import qkv_rope
 from kernels.layer_ref import qkv_rope_ref, silu_mul_ref
 from kernels.silu_mul import silu_mul
 from kernels.vocab_topk import vocab_topk
-from slm_core.build.beam_graph import top
+from slm_core.build.beam_graph import places, top
 
 
 def median_ms(fn, iters: int = 50) -> float:
@@ -247,8 +247,7 @@ def two_level_top(x: torch.Tensor, k: int, chunks: int) -> tuple[torch.Tensor, t
     ids = ids + torch.arange(0, m, part, device=x.device)[:, None]
     values, at = vals.flatten(1).topk(k, dim=-1, sorted=False)
     idx = ids.flatten(1).gather(1, at)
-    above, tied = values[:, None, :] > values[:, :, None], values[:, None, :] == values[:, :, None]
-    return values, idx, (above | (tied & (idx[:, None, :] < idx[:, :, None]))).sum(2)
+    return values, idx, places(values, idx)
 
 
 def selection(prompts: int, width: int) -> dict:
@@ -286,12 +285,13 @@ def counted_top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def small_selection(prompts: int, width: int, columns: int) -> dict:
-    """The beam step's short sorted top-k: the running beams (W of 2W per prompt) or the finished
-    pool's merge (W of 3W), torch.topk against counting places."""
+    """A short sorted top-k of a beam step's size: the finished pool's merge (W of 3W per prompt,
+    torch.topk sorted in the graphs) or the running beams' (W of 2W; the graphs take beam_graph.top),
+    torch.topk against counting places."""
     x = torch.randn(prompts, columns, device="cuda") * 3 - 20
     ref = x.topk(width, dim=1).values
     r = {}
-    for name, fn in {"torch.topk sorted (the graphs')": torch.compile(lambda x: x.topk(width, dim=1)),
+    for name, fn in {"torch.topk sorted": torch.compile(lambda x: x.topk(width, dim=1)),
                      "counted places, scattered": torch.compile(lambda x: counted_top(x, width))}.items():
         r[name] = timed(lambda f=fn: f(x)[0], ref)
     return {"shape": f"{prompts} prompt(s) x {columns}, k={width}", "results": r}

@@ -682,7 +682,7 @@ def main() -> None:
             else:
                 def partial(report: dict, name=name) -> None:  # a run cut short keeps the minutes it finished
                     if args.out:
-                        args.out.write_text(json.dumps({**results, name: report}, indent=1) + "\n")
+                        args.out.write_text(json.dumps({**results, name: report}, indent=1, ensure_ascii=False) + "\n")
                 results[name] = soak(args.url, args.management, args.model, bodies, capacity, args.seconds,
                                      on_window=partial)
             if args.out:  # after every step: a run cut short keeps the steps it finished
