@@ -21,6 +21,7 @@
 # stays warm, so each next call is just `follow`, back to back (the machine goes back when idle).
 # Needs: carry [".devbundle", "bench/assets"]; $OUT (the device tool's output folder); $COMMIT.
 # Optional: $VARIANTS, $SLM (below), $SYSTEMS (slm,hf: SYSTEMS=slm leaves the peer out), PROFILE=0, CHECK=0, KERNELS=0,
+# KERNELS_ONLY=TEXT (the kernel bench's cases whose name holds TEXT),
 # BENCH=0, LOADTIME=1 (the loadtime step after the profiles), CPU_PATH=1 (first, the host quiet: bench.cpu_path
 # per tokenizer thread pool size, $CPU_PATH_THREADS, default "1 2 4 16"),
 # RELIABILITY=1 (the reliability step after the bench; SOAK=600 adds the soak; DEADLINE=80: every
@@ -75,7 +76,7 @@ check)
 check-full)
     python3 -m pytest -q -s tests/gpu -p no:cacheprovider ;;
 kernels)
-    python3 -m bench.kernels_bench --out "$OUT/kernels_bench.json" ;;
+    python3 -m bench.kernels_bench --out "$OUT/kernels_bench.json" ${KERNELS_ONLY:+--only "$KERNELS_ONLY"} ;;
 gemm)
     python3 -m bench.gemm_bench --out "$OUT/gemm_bench.json" ;;
 bench)
@@ -172,7 +173,7 @@ start)
         RELIABILITY=${RELIABILITY:-0} BENCH=${BENCH:-1} SOAK=${SOAK:-} RELIABLE=${RELIABLE:-} STEPS=${STEPS:-} \
         FAULT_SECONDS=${FAULT_SECONDS:-} DEADLINE=${DEADLINE:-} \
         MPS=${MPS:-1} NOMPS_SLM=${NOMPS_SLM:-} CATALOG=${CATALOG:-0} LOADTIME=${LOADTIME:-0} PROFILE_GRAPHS="${PROFILE_GRAPHS:-on off}" \
-        PROFILE_BEAM=${PROFILE_BEAM:-W2,W3} CPU_PATH=${CPU_PATH:-0} CPU_PATH_THREADS="${CPU_PATH_THREADS:-1 2 4 16}" \
+        PROFILE_BEAM=${PROFILE_BEAM:-W2,W3} KERNELS_ONLY="${KERNELS_ONLY:-}" CPU_PATH=${CPU_PATH:-0} CPU_PATH_THREADS="${CPU_PATH_THREADS:-1 2 4 16}" \
         setsid nohup bash "$WORK/pipeline.sh" all > "$WORK/pipeline.log" 2>&1 < /dev/null &
     sleep 5
     bash "$0" follow ;;

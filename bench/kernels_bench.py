@@ -5,10 +5,11 @@ CUDA graph, without launch overhead; "eager_call_ms" is one call from Python, la
 flash SDPA with and without its pad/unpad, flash `varlen_attn` and compiled flex attention with a
 precomputed document-causal block mask; for beam decode SDPA over the prompt K/V copied per beam;
 for QK-norm + RoPE and SiLU * up what Inductor generates from the reference (what the graphs ran
-before the kernels). Also the beam step's vocabulary top-k with its logsumexp: PyTorch's (one pass, or two
+before the kernels); for a decode step's gate/up + SiLU * up, cuBLAS then SiLU * up against the
+fused kernel per block configuration. Also the beam step's vocabulary top-k with its logsumexp: PyTorch's (one pass, or two
 stages over chunks) against kernels/vocab_topk.py.
 
-    python -m bench.kernels_bench --out FILE.json
+    python -m bench.kernels_bench --out FILE.json [--only "gate/up"]
 """
 
 import argparse
@@ -22,7 +23,8 @@ from kernels.attention_ref import packed_attention_ref, prefix_suffix_attention_
 from kernels.packed_attention import packed_attention
 from kernels.prefix_attention import prefix_suffix_attention
 from kernels.qkv_rope import qkv_rope
-from kernels.layer_ref import qkv_rope_ref, silu_mul_ref
+from kernels.gate_up_silu import gate_up_silu
+from kernels.layer_ref import gate_up_silu_ref, qkv_rope_ref, silu_mul_ref
 from kernels.silu_mul import silu_mul
 from kernels.vocab_topk import vocab_topk
 from slm_core.build.beam_graph import places, top
@@ -195,6 +197,34 @@ def mlp_act(t: int, inner: int) -> dict:
                         "Inductor (torch.compile of the reference)": timed(lambda: inductor(x), ref)}}
 
 
+# (block_m, block_n, block_k, warps, stages): the op's defaults first
+GATE_UP_CONFIGS = [(64, 32, 128, 4, 3), (64, 64, 128, 4, 3), (64, 16, 128, 4, 3), (128, 32, 128, 4, 3),
+                   (128, 64, 64, 8, 3), (64, 32, 64, 4, 4), (64, 32, 128, 4, 4), (32, 32, 128, 4, 3)]
+
+
+def gate_up(rows: int, hidden: int, inner: int, layers: int = 24) -> dict:
+    """A decode step's gate/up projection and SiLU·up: cuBLAS then kernels/silu_mul.py (the graphs
+    without the fused op) against kernels/gate_up_silu.py per block configuration. Each timing runs
+    `layers` distinct weights (a step's layers: weights from HBM, not from L2) and is reported per layer."""
+    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+    ws = [torch.randn(2 * inner, hidden, device="cuda", dtype=torch.bfloat16) / hidden**0.5 for _ in range(layers)]
+    ref = gate_up_silu_ref(x.float(), ws[-1].float())
+
+    def per_layer(fn) -> dict:
+        def step():
+            for w in ws:
+                out = fn(w)
+            return out
+        result = timed(step, ref)
+        return {**result, "gpu_ms": result["gpu_ms"] / layers, "eager_call_ms": result["eager_call_ms"] / layers}
+
+    r = {"cuBLAS gate/up, then triton silu_mul (the graphs' prefill path)": per_layer(lambda w: silu_mul(F.linear(x, w)))}
+    for bm, bn, bk, warps, stages in GATE_UP_CONFIGS:
+        r[f"fused gate_up_silu {bm}x{bn}x{bk}, {warps} warps, {stages} stages"] = per_layer(
+            lambda w, c=(bm, bn, bk, warps, stages): gate_up_silu(x, w, None, *c))
+    return {"shape": f"{rows} rows, {hidden} -> 2 x {inner}, per layer of {layers}", "results": r}
+
+
 def two_stage_topk(x: torch.Tensor, k: int, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact row-wise top-k as the top k of each of `chunks` column chunks, then of those."""
     rows, v = x.shape
@@ -297,29 +327,39 @@ def small_selection(prompts: int, width: int, columns: int) -> dict:
     return {"shape": f"{prompts} prompt(s) x {columns}, k={width}", "results": r}
 
 
+def cases() -> dict:
+    """Every case of the bench: its name and the call that measures it."""
+    rng = random.Random(0)
+    w1 = [rng.randint(64, 160) for _ in range(15)]
+    w3 = [rng.randint(384, 512)]
+    return {
+        "W1 prefill": lambda: prefill(w1, 16, 8, 128),
+        "W3 prefill": lambda: prefill(w3, 14, 2, 64),
+        **{f"W3 decode step {s}": lambda s=s: decode(100, [448], s, 14, 2, 64) for s in (1, 4)},
+        "W=400 decode": lambda: decode(400, [100], 4, 14, 2, 64),
+        "W3 decode, 4 prompts in one call": lambda: decode(100, [384, 512, 401, 450], 3, 14, 2, 64),
+        "W2 decode step 4": lambda: decode(100, [88], 4, 14, 2, 64),
+        "W2 decode, 4 prompts in one call": lambda: decode(100, [48, 128, 90, 70], 3, 14, 2, 64),
+        "W1 QK-norm + RoPE": lambda: rope(1640, 16, 8, 128, True),
+        "W2 decode RoPE, 4 prompts": lambda: rope(400, 14, 2, 64, False),
+        "W1 SiLU * up": lambda: mlp_act(1640, 3072),
+        "W2 decode SiLU * up, 4 prompts": lambda: mlp_act(400, 4864),
+        **{f"W2 decode gate/up + SiLU * up, {b} prompt(s)": lambda b=b: gate_up(100 * b, 896, 4864) for b in (1, 2, 4, 8)},
+        **{f"beam top-k, {rows} beams": lambda rows=rows: topk(rows, 200) for rows in (100, 400, 800)},
+        **{f"beam selection, W={w}, {b} prompt(s)": lambda w=w, b=b: selection(b, w)
+           for w, b in ((100, 1), (100, 4), (100, 8), (400, 1))},
+        **{f"beam {what}, W={w}, {b} prompt(s)": lambda w=w, b=b, n=n: small_selection(b, w, n * w)
+           for what, n in (("running beams", 2), ("pool merge", 3)) for w, b in ((100, 1), (100, 8), (400, 1))},
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
+    p.add_argument("--only", default="", help="run only the cases whose name holds this text")
     args = p.parse_args()
-    rng = random.Random(0)
-    results = {
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "W1 prefill": prefill([rng.randint(64, 160) for _ in range(15)], 16, 8, 128),
-        "W3 prefill": prefill([rng.randint(384, 512)], 14, 2, 64),
-        **{f"W3 decode step {s}": decode(100, [448], s, 14, 2, 64) for s in (1, 4)},
-        "W=400 decode": decode(400, [100], 4, 14, 2, 64),
-        "W3 decode, 4 prompts in one call": decode(100, [384, 512, 401, 450], 3, 14, 2, 64),
-        "W2 decode step 4": decode(100, [88], 4, 14, 2, 64),
-        "W2 decode, 4 prompts in one call": decode(100, [48, 128, 90, 70], 3, 14, 2, 64),
-        "W1 QK-norm + RoPE": rope(1640, 16, 8, 128, True),
-        "W2 decode RoPE, 4 prompts": rope(400, 14, 2, 64, False),
-        "W1 SiLU * up": mlp_act(1640, 3072),
-        "W2 decode SiLU * up, 4 prompts": mlp_act(400, 4864),
-        **{f"beam top-k, {rows} beams": topk(rows, 200) for rows in (100, 400, 800)},
-        **{f"beam selection, W={w}, {b} prompt(s)": selection(b, w) for w, b in ((100, 1), (100, 4), (100, 8), (400, 1))},
-        **{f"beam {what}, W={w}, {b} prompt(s)": small_selection(b, w, n * w)
-           for what, n in (("running beams", 2), ("pool merge", 3)) for w, b in ((100, 1), (100, 8), (400, 1))},
-    }
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    results.update({name: case() for name, case in cases().items() if args.only in name})
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     for name, res in results.items():
