@@ -5,11 +5,10 @@ CUDA graph, without launch overhead; "eager_call_ms" is one call from Python, la
 flash SDPA with and without its pad/unpad, flash `varlen_attn` and compiled flex attention with a
 precomputed document-causal block mask; for beam decode SDPA over the prompt K/V copied per beam;
 for QK-norm + RoPE and SiLU * up what Inductor generates from the reference (what the graphs ran
-before the kernels); for a decode step's gate/up + SiLU * up, cuBLAS then SiLU * up against the
-fused kernel per block configuration. Also the beam step's vocabulary top-k with its logsumexp: PyTorch's (one pass, or two
+before the kernels). Also the beam step's vocabulary top-k with its logsumexp: PyTorch's (one pass, or two
 stages over chunks) against kernels/vocab_topk.py.
 
-    python -m bench.kernels_bench --out FILE.json [--only "gate/up"]
+    python -m bench.kernels_bench --out FILE.json [--only "selection"]
 """
 
 import argparse
@@ -23,8 +22,7 @@ from kernels.attention_ref import packed_attention_ref, prefix_suffix_attention_
 from kernels.packed_attention import packed_attention
 from kernels.prefix_attention import prefix_suffix_attention
 from kernels.qkv_rope import qkv_rope
-from kernels.gate_up_silu import gate_up_silu
-from kernels.layer_ref import gate_up_silu_ref, qkv_rope_ref, silu_mul_ref
+from kernels.layer_ref import qkv_rope_ref, silu_mul_ref
 from kernels.silu_mul import silu_mul
 from kernels.vocab_topk import vocab_topk
 from slm_core.build.beam_graph import places, top
@@ -197,34 +195,6 @@ def mlp_act(t: int, inner: int) -> dict:
                         "Inductor (torch.compile of the reference)": timed(lambda: inductor(x), ref)}}
 
 
-# (block_m, block_n, block_k, warps, stages): the op's defaults first
-GATE_UP_CONFIGS = [(64, 32, 128, 4, 3), (64, 64, 128, 4, 3), (64, 16, 128, 4, 3), (128, 32, 128, 4, 3),
-                   (128, 64, 64, 8, 3), (64, 32, 64, 4, 4), (64, 32, 128, 4, 4), (32, 32, 128, 4, 3)]
-
-
-def gate_up(rows: int, hidden: int, inner: int, layers: int = 24) -> dict:
-    """A decode step's gate/up projection and SiLU·up: cuBLAS then kernels/silu_mul.py (the graphs
-    without the fused op) against kernels/gate_up_silu.py per block configuration. Each timing runs
-    `layers` distinct weights (a step's layers: weights from HBM, not from L2) and is reported per layer."""
-    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
-    ws = [torch.randn(2 * inner, hidden, device="cuda", dtype=torch.bfloat16) / hidden**0.5 for _ in range(layers)]
-    ref = gate_up_silu_ref(x.float(), ws[-1].float())
-
-    def per_layer(fn) -> dict:
-        def step():
-            for w in ws:
-                out = fn(w)
-            return out
-        result = timed(step, ref)
-        return {**result, "gpu_ms": result["gpu_ms"] / layers, "eager_call_ms": result["eager_call_ms"] / layers}
-
-    r = {"cuBLAS gate/up, then triton silu_mul (the graphs' prefill path)": per_layer(lambda w: silu_mul(F.linear(x, w)))}
-    for bm, bn, bk, warps, stages in GATE_UP_CONFIGS:
-        r[f"fused gate_up_silu {bm}x{bn}x{bk}, {warps} warps, {stages} stages"] = per_layer(
-            lambda w, c=(bm, bn, bk, warps, stages): gate_up_silu(x, w, None, *c))
-    return {"shape": f"{rows} rows, {hidden} -> 2 x {inner}, per layer of {layers}", "results": r}
-
-
 def two_stage_topk(x: torch.Tensor, k: int, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact row-wise top-k as the top k of each of `chunks` column chunks, then of those."""
     rows, v = x.shape
@@ -344,7 +314,6 @@ def cases() -> dict:
         "W2 decode RoPE, 4 prompts": lambda: rope(400, 14, 2, 64, False),
         "W1 SiLU * up": lambda: mlp_act(1640, 3072),
         "W2 decode SiLU * up, 4 prompts": lambda: mlp_act(400, 4864),
-        **{f"W2 decode gate/up + SiLU * up, {b} prompt(s)": lambda b=b: gate_up(100 * b, 896, 4864) for b in (1, 2, 4, 8)},
         **{f"beam top-k, {rows} beams": lambda rows=rows: topk(rows, 200) for rows in (100, 400, 800)},
         **{f"beam selection, W={w}, {b} prompt(s)": lambda w=w, b=b: selection(b, w)
            for w, b in ((100, 1), (100, 4), (100, 8), (400, 1))},

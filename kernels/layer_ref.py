@@ -1,11 +1,11 @@
 """Pure-PyTorch references of the per-layer steps between the GEMMs: RMSNorm; splitting the fused
 QKV rows into heads, RMS-normalising q and k per head (Qwen3's QK-norm) and rotating them (RoPE);
-SiLU(gate) * up, also with the gate/up projection before it, and quantised to E4M3 with one static
-scale (fp8-static's down-projection input). They define the interfaces kernels/qkv_rope.py,
-kernels/silu_mul.py and kernels/gate_up_silu.py implement, and are the path the reference graphs
-run. The arithmetic is transformers': RMSNorm normalises in FP32, rounds to the model dtype and
-scales by the weight in the model dtype; RoPE is q * cos + rotate_half(q) * sin in the model dtype;
-the MLP is silu(gate) * up in the model dtype.
+SiLU(gate) * up, and that quantised to E4M3 with one static scale (fp8-static's down-projection
+input). They
+define the interfaces kernels/qkv_rope.py and kernels/silu_mul.py implement, and are the path the
+reference graphs run. The arithmetic is transformers': RMSNorm normalises in
+FP32, rounds to the model dtype and scales by the weight in the model dtype; RoPE is
+q * cos + rotate_half(q) * sin in the model dtype; the MLP is silu(gate) * up in the model dtype.
 """
 
 import torch
@@ -46,11 +46,6 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up: [T, 2I], gate then up (the fused gate/up projection). Returns silu(gate) * up [T, I]."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-def gate_up_silu_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The gate/up projection (weight [2I, K]: gate rows, then up rows) then silu_mul_ref: [T, I]."""
-    return silu_mul_ref(F.linear(x, weight, bias))
 
 
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn

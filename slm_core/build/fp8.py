@@ -81,8 +81,7 @@ class StaticFp8MLP(nn.Module):
         self.down = StaticFp8Linear(mlp.down, amax[mlp.down])
         self.silu_mul_static = silu_mul_static
 
-    def forward(self, x: torch.Tensor, decode: bool = False) -> torch.Tensor:
-        """decode: as MLP.forward's; the E4M3 GEMMs serve both."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.silu_mul_static(self.gate_up(x), self.down.input_scale_value))
 
 

@@ -38,13 +38,11 @@ class Ops(NamedTuple):
     prefix_attention: Callable  # (q, k_prefix, v_prefix, k_suffix, v_suffix, scale, prefix_cu) -> o
     qkv_rope: Callable  # (qkv, cos, sin, heads, kv_heads, q_weight, k_weight, eps) -> q, k, v
     silu_mul: Callable  # (gate_up) -> silu(gate) * up
-    gate_up_silu: Callable  # (gate_up linear, x) -> silu_mul of x's projection, for a decode step's rows
 
 
 REFERENCE_OPS = Ops(
     lambda q, k, v, cu_seqlens, scale, max_seqlen: packed_attention_ref(q, k, v, cu_seqlens, scale),
     prefix_suffix_attention_ref, qkv_rope_ref, silu_mul_ref,
-    lambda linear, x: silu_mul_ref(linear(x)),
 )
 
 
@@ -53,11 +51,9 @@ def triton_ops() -> Ops:
     from kernels.packed_attention import packed_attention
     from kernels.prefix_attention import prefix_suffix_attention
     from kernels.qkv_rope import qkv_rope
-    from kernels.gate_up_silu import gate_up_silu
     from kernels.silu_mul import silu_mul
 
-    return Ops(packed_attention, prefix_suffix_attention, qkv_rope, silu_mul,
-               lambda linear, x: gate_up_silu(x, linear.weight, linear.bias))
+    return Ops(packed_attention, prefix_suffix_attention, qkv_rope, silu_mul)
 
 
 class Attention(nn.Module):
@@ -102,17 +98,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec, ops: Ops = REFERENCE_OPS):
+    def __init__(self, spec: ModelSpec, silu_mul: Callable = silu_mul_ref):
         super().__init__()
         self.gate_up = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
         self.down = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
-        self.ops = ops
+        self.silu_mul = silu_mul  # the Triton op or its reference
 
-    def forward(self, x: torch.Tensor, decode: bool = False) -> torch.Tensor:
-        """decode: a beam step's rows (100 a prompt), where the projection and SiLU·up are one kernel;
-        a prefill's thousands of rows keep cuBLAS's GEMM."""
-        h = self.ops.gate_up_silu(self.gate_up, x) if decode else self.ops.silu_mul(self.gate_up(x))
-        return self.down(h)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.silu_mul(self.gate_up(x)))
 
 
 class Block(nn.Module):
@@ -121,12 +114,12 @@ class Block(nn.Module):
         self.input_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.attn = Attention(spec, ops, max_seqlen)
         self.post_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec, ops)
+        self.mlp = MLP(spec, ops.silu_mul)
 
     def run(self, x: torch.Tensor, attend: Callable[[torch.Tensor], tuple[torch.Tensor, KV]],
-            rows: torch.Tensor | None = None, decode: bool = False):
+            rows: torch.Tensor | None = None):
         """The block over x [T, hidden]; with `rows`, its output at those rows only (attend must
-        then answer for them only); decode: x is a beam step's rows (MLP.forward)."""
+        then answer for them only)."""
         a, kv = attend(self.input_norm(x))
         if rows is not None:
             # Taken from an fp32 copy (exact both ways) so that, in bf16, every consumer of the
@@ -137,7 +130,7 @@ class Block(nn.Module):
             # does. (In fp32 the copy is no op and the adds stay fused, in fp32 too.)
             x = x.float().index_select(0, rows).to(x.dtype)
         x = x + a
-        return x + self.mlp(self.post_norm(x), decode), kv
+        return x + self.mlp(self.post_norm(x)), kv
 
 
 class Transformer(nn.Module):
@@ -214,8 +207,7 @@ class Transformer(nn.Module):
         grown = []
         for i, layer in enumerate(self.layers):
             past = None if suffix is None else suffix[i]
-            x, kv = layer.run(x, lambda h, a=layer.attn, p=prefix[i]: a.decode(h, cos, sin, p, prefix_cu, past),
-                              decode=True)
+            x, kv = layer.run(x, lambda h, a=layer.attn, p=prefix[i]: a.decode(h, cos, sin, p, prefix_cu, past))
             grown.append(kv)
         return x, grown
 

@@ -100,31 +100,6 @@ def test_prompt_kv_is_stored_once_and_never_copied_per_beam(qwen3, monkeypatch):
         assert ks.shape[:2] == (w, step)  # only the suffix is per beam
 
 
-def test_decode_steps_take_the_fused_gate_up(qwen3, monkeypatch):
-    """Each decode step's MLP runs the projection and SiLU·up as one op (Ops.gate_up_silu, one Triton
-    kernel on GPU) over its W rows; the prefill's keep the GEMM, then SiLU·up."""
-    fused, split = [], []
-    reference = slm_core.build.model.REFERENCE_OPS
-
-    def record_fused(linear, x):
-        fused.append(x.shape[0])
-        return reference.gate_up_silu(linear, x)
-
-    def record_split(gate_up):
-        split.append(gate_up.shape[0])
-        return reference.silu_mul(gate_up)
-
-    monkeypatch.setattr(slm_core.build.model, "REFERENCE_OPS",
-                        reference._replace(gate_up_silu=record_fused, silu_mul=record_split))
-    eng = engine_for(qwen3, **BEAM)
-    prompt = "a small language model"
-    lp = len(text_ids(eng, [prompt])[0])
-    eng.beam(prompt)
-    layers, w, steps = qwen3.spec.num_layers, BEAM["beam_width"], BEAM["new_tokens"] - 1
-    assert fused == [w] * (layers * steps)
-    assert split == [lp] * (layers - 1) + [1]  # the last layer's MLP at the prompt's last token
-
-
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
 def test_graphs_export_with_dynamic_shapes(random_checkpoint, arch):
     ckpt = load_checkpoint(random_checkpoint(arch)[0])

@@ -61,16 +61,6 @@ def test_silu_mul_kernels_compile_for_hopper(static, float_type):
     assert compile_for_hopper(_silu_mul_kernel, dict(BLOCK=1024, STATIC=static), out, float_type)["cubin"]
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_gate_up_silu_compiles_for_hopper(bias):
-    from kernels.gate_up_silu import _gate_up_silu_kernel, gate_up_silu
-
-    defaults = gate_up_silu._opoverload._schema.arguments  # the graphs' block sizes
-    blocks = {a.name: a.default_value for a in defaults if a.name.startswith("block")}
-    constants = dict(BLOCK_M=blocks["block_m"], BLOCK_N=blocks["block_n"], BLOCK_K=blocks["block_k"], BIAS=bias)
-    assert compile_for_hopper(_gate_up_silu_kernel, constants)["cubin"]
-
-
 def test_vocab_topk_compiles_for_hopper():
     from kernels.vocab_topk import _group_max_pass
 

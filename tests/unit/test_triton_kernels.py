@@ -168,31 +168,6 @@ def test_silu_mul_matches_reference_in_interpreter():
     assert len(errors) == len(cases) and max(errors) < 1e-5, errors
 
 
-GATE_UP_SILU_CHECK = r"""
-import json, sys, torch
-from kernels.gate_up_silu import gate_up_silu
-from kernels.layer_ref import gate_up_silu_ref
-errors = []
-for t, k, inner, bias, (block_m, block_n, block_k) in json.loads(sys.argv[1]):
-    torch.manual_seed(t + k + inner)
-    x, w = torch.randn(t, k), torch.randn(2 * inner, k) / k ** 0.5
-    b = torch.randn(2 * inner) if bias else None
-    got = gate_up_silu(x, w, b, block_m, block_n, block_k)
-    assert got.shape == (t, inner) and got.is_contiguous()
-    errors.append((got - gate_up_silu_ref(x, w, b)).abs().max().item())
-print(json.dumps(errors))
-"""
-
-
-def test_gate_up_silu_matches_reference_in_interpreter():
-    """The fused projection + SiLU·up: rows, columns and depth not multiples of their blocks, one
-    row, a bias, and several tiles each way."""
-    cases = [(1, 16, 8, False, (16, 16, 16)), (37, 40, 24, True, (16, 16, 16)), (70, 96, 50, False, (32, 16, 32)),
-             (5, 200, 33, True, (16, 32, 64))]
-    errors = run_check(GATE_UP_SILU_CHECK, cases)
-    assert len(errors) == len(cases) and max(errors) < 1e-4, errors
-
-
 TOPK_CHECK = r"""
 import json, sys, torch
 from kernels.vocab_topk import vocab_topk
