@@ -1,0 +1,85 @@
+"""tiktoken's BPE against the `tokenizers` library on a byte-level BPE tokenizer.json: speed per
+W1 request (15 texts, one thread each) and whether the ids are equal, on every vocabulary
+string and on random texts (real words, and mixed scripts, digits and punctuation) without the
+tokenizer's added tokens. W1's handler time outside the graph is mostly this tokenizing.
+
+tiktoken merges whichever adjacent pair's concatenation has the lowest id, where `tokenizers`
+merges by its merge list; the two agree when each merge's token id grows with the merge's place
+(checked and reported first). It matches no added tokens (what the task tokenizer does for user
+text, where special tokens are matched in the template only).
+
+    pip install tiktoken
+    RAYON_NUM_THREADS=1 python -m bench.bpe_compare --tokenizer bench/assets/tokenizer.json
+"""
+
+import argparse
+import json
+import random
+import time
+
+import tiktoken
+from tokenizers import Tokenizer
+
+from bench.workloads import WORKLOADS, TextMaker
+
+GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+MIXED = list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,;:!?'\"-_()[]{}#@&*/\\\n\t"
+             "éüñßøåçœ日本語中文한국어🤖😀—–…«»€£¥")
+
+
+def byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: each vocabulary character -> the byte it stands for."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    rest = [b for b in range(256) if b not in printable]
+    return {chr(c): b for b, c in [*zip(printable, printable), *((b, 256 + i) for i, b in enumerate(rest))]}
+
+
+def encoding(config: dict) -> tuple[tiktoken.Encoding, bool]:
+    """A tiktoken Encoding of the tokenizer's vocabulary (ranks = ids) and split pattern, and
+    whether its merges' ids grow with their place."""
+    decode, vocab = byte_decoder(), config["model"]["vocab"]
+    ranks = {bytes(decode[c] for c in token): i for token, i in vocab.items()}
+    merged = [vocab["".join(m) if isinstance(m, list) else m.replace(" ", "")] for m in config["model"]["merges"]]
+    pre = config["pre_tokenizer"]
+    parts = pre["pretokenizers"] if pre["type"] == "Sequence" else [pre]
+    splits = [p["pattern"]["Regex"] for p in parts if p["type"] == "Split"]
+    pattern = splits[0] if splits else GPT2_SPLIT
+    return tiktoken.Encoding("compare", pat_str=pattern, mergeable_ranks=ranks, special_tokens={}), \
+        all(a < b for a, b in zip(merged, merged[1:]))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokenizer", required=True)
+    p.add_argument("--random-texts", type=int, default=20_000)
+    args = p.parse_args()
+    tok = Tokenizer.from_file(args.tokenizer)
+    config = json.loads(tok.to_str())
+    enc, ordered = encoding(config)
+    print(f"merge ids grow with the merge's place: {ordered}")
+
+    requests = TextMaker(tok, seed=2).requests(WORKLOADS["W1"], 8)
+    texts = [t for r in requests for t in r["texts"]]
+    for name, run in (("tokenizers encode_batch_fast", lambda: tok.encode_batch_fast(texts, add_special_tokens=False)),
+                      ("tiktoken encode_ordinary, one text after another", lambda: [enc.encode_ordinary(t) for t in texts])):
+        run()
+        start = time.perf_counter()
+        for _ in range(20):
+            run()
+        print(f"{name}: {(time.perf_counter() - start) / 20 / len(requests) * 1e3:.3f} ms per W1 request")
+
+    decode = byte_decoder()
+    specials = [t["content"] for t in config["added_tokens"]]
+    spelled = {t: bytes(decode[c] for c in t).decode("utf-8", "replace") for t in config["model"]["vocab"]}
+    vocab_texts = [s for s in spelled.values() if not any(x in s for x in specials)]
+    rng, words = random.Random(0), list(spelled.values())
+    randoms = [" ".join(rng.choice(words) for _ in range(rng.randint(1, 30))) if i % 2 else
+               "".join(rng.choice(MIXED) for _ in range(rng.randint(1, 80))) for i in range(args.random_texts)]
+    randoms = [s for s in randoms if not any(x in s for x in specials)]
+    for name, sample in (("vocabulary strings", vocab_texts), ("random texts", randoms)):
+        differ = [s for s in sample if tok.encode(s, add_special_tokens=False).ids != enc.encode_ordinary(s)]
+        print(f"{name} without added tokens: {len(differ)} of {len(sample)} differ {differ[:3]}")
+
+
+if __name__ == "__main__":
+    main()
