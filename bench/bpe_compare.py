@@ -3,12 +3,8 @@ W1 request (15 texts, one thread each) and whether the ids are equal, on every v
 string and on random texts (real words, and mixed scripts, digits and punctuation) without the
 tokenizer's added tokens. W1's handler time outside the graph is mostly this tokenizing.
 
-tiktoken merges whichever adjacent pair's concatenation has the lowest id, where `tokenizers`
-merges by its merge list; the two agree when each merge's token id grows with the merge's place
-(checked and reported first). It matches no added tokens (what the task tokenizer does for user
-text, where special tokens are matched in the template only).
+The encoder is slm_core.fast_bpe's (which says when the two agree); it matches no added tokens.
 
-    pip install tiktoken
     RAYON_NUM_THREADS=1 python -m bench.bpe_compare --tokenizer bench/assets/tokenizer.json
 """
 
@@ -17,35 +13,13 @@ import json
 import random
 import time
 
-import tiktoken
 from tokenizers import Tokenizer
 
 from bench.workloads import WORKLOADS, TextMaker
+from slm_core.fast_bpe import FastBpe, byte_decoder
 
-GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 MIXED = list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,;:!?'\"-_()[]{}#@&*/\\\n\t"
              "éüñßøåçœ日本語中文한국어🤖😀—–…«»€£¥")
-
-
-def byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet: each vocabulary character -> the byte it stands for."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    rest = [b for b in range(256) if b not in printable]
-    return {chr(c): b for b, c in [*zip(printable, printable), *((b, 256 + i) for i, b in enumerate(rest))]}
-
-
-def encoding(config: dict) -> tuple[tiktoken.Encoding, bool]:
-    """A tiktoken Encoding of the tokenizer's vocabulary (ranks = ids) and split pattern, and
-    whether its merges' ids grow with their place."""
-    decode, vocab = byte_decoder(), config["model"]["vocab"]
-    ranks = {bytes(decode[c] for c in token): i for token, i in vocab.items()}
-    merged = [vocab["".join(m) if isinstance(m, list) else m.replace(" ", "")] for m in config["model"]["merges"]]
-    pre = config["pre_tokenizer"]
-    parts = pre["pretokenizers"] if pre["type"] == "Sequence" else [pre]
-    splits = [p["pattern"]["Regex"] for p in parts if p["type"] == "Split"]
-    pattern = splits[0] if splits else GPT2_SPLIT
-    return tiktoken.Encoding("compare", pat_str=pattern, mergeable_ranks=ranks, special_tokens={}), \
-        all(a < b for a, b in zip(merged, merged[1:]))
 
 
 def main() -> None:
@@ -55,8 +29,11 @@ def main() -> None:
     args = p.parse_args()
     tok = Tokenizer.from_file(args.tokenizer)
     config = json.loads(tok.to_str())
-    enc, ordered = encoding(config)
-    print(f"merge ids grow with the merge's place: {ordered}")
+    fast = FastBpe(tok, config)
+    print(f"slm_core.fast_bpe takes this tokenizer: {fast.usable}")
+    if fast.encoding is None:
+        return
+    enc = fast.encoding
 
     requests = TextMaker(tok, seed=2).requests(WORKLOADS["W1"], 8)
     texts = [t for r in requests for t in r["texts"]]

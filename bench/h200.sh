@@ -34,7 +34,7 @@
 # BASE=DIR: a checkout of the baseline commit (e.g. `git archive SHA ':!bench/results' | tar -x -C .base`,
 # carried): its slm $VARIANTS are built beside (into .bench-work/base) and profiled beside this
 # tree's, as profile_*_base_*.txt: a lever's kernels and GPU time before and after, in one run.
-# Needs orjson for Python 3.12 among the bundle's wheels (bench/README.md).
+# Needs orjson, tiktoken and regex for Python 3.12 among the bundle's wheels (bench/README.md).
 # MPS=1 (default): the pipeline runs NVIDIA's Multi-Process Service, so the workers' processes share
 # the GPU instead of time-slicing it (bench/mps.py); MPS=0 leaves it off. NOMPS_SLM=...: after the
 # bench step, these deployments again without MPS (the same run's comparison), into $OUT/nomps.
@@ -62,7 +62,7 @@ mps() {  # NVIDIA MPS on (1) or off (0) for the CUDA processes started from now 
     echo "NVIDIA MPS: $(pgrep -x nvidia-cuda-mps > /dev/null && echo on || echo off)"
 }
 
-python3 -c "import orjson" || { echo "orjson is missing: put its wheel into .devbundle (bench/README.md)"; exit 1; }
+python3 -c "import orjson, tiktoken" || { echo "orjson or tiktoken is missing: put their wheels into .devbundle (bench/README.md)"; exit 1; }
 
 case "$1" in
 build)

