@@ -13,6 +13,7 @@ pieces of a template where user text goes, whose special tokens the tokenizer do
 import tiktoken
 import tokenizers
 
+from slm_core.byte_table import byte_alphabet
 from slm_core.pieces import SPLITS, _components
 
 GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -24,10 +25,8 @@ PROBES = (
 
 
 def byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet: each vocabulary character -> the byte it stands for."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    rest = [b for b in range(256) if b not in printable]
-    return {chr(c): b for b, c in [*zip(printable, printable), *((b, 256 + i) for i, b in enumerate(rest))]}
+    """GPT-2's byte-level alphabet read backwards: each vocabulary character -> the byte it stands for."""
+    return {c: b for b, c in byte_alphabet().items()}
 
 
 def split_pattern(config: dict) -> str | None:

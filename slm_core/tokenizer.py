@@ -97,10 +97,8 @@ class PackedTokenizer:
         where the tokenizer allows (slm_core.pieces). A text that spells a special token is
         tokenized again, literally, or refused where this tokenizer's template pieces do not encode
         as the whole does (allow_special_tokens: taken as it is)."""
-        if self._fast is not None:
-            fast, rest = self._fast
-            if not any(a in s for s in texts for a in rest):
-                return [self._encode_fast(s) for s in texts]
+        if self._fast is not None and not any(a in s for s in texts for a in self._unspecial):
+            return [self._encode_fast(s) for s in texts]
         templated = [self.apply_template(s) for s in texts]
         ids: list = (self._pieces.encode(templated) if self._pieces.usable else
                      [enc.ids for enc in self.tokenizer.encode_batch_fast(templated)])
@@ -126,34 +124,32 @@ class PackedTokenizer:
         return [decode(ids, skip_special_tokens=True) for ids in sequences]
 
     # --- user text by tiktoken (slm_core.fast_bpe) ---------------------------------------------
-    def _fast_path(self, config: dict, allow_special_tokens: bool) -> "tuple[FastBpe, list[str]] | None":
-        """tiktoken's encoder and the added tokens' spellings other than the template's special
-        tokens (a text that spells one takes the tokenizer's path), where the template's pieces
-        encoded apart, user text by tiktoken, give the whole templated text's ids on the probes
-        (special tokens matched in the template only); else None."""
+    def _fast_path(self, config: dict, allow_special_tokens: bool) -> FastBpe | None:
+        """tiktoken's encoder, where the template's pieces encoded apart (user text by tiktoken,
+        the post-processor's ids around them, as slm_core.pieces finds them) give the whole
+        templated text's ids on the probes, special tokens matched in the template only; else None.
+        A text that spells an added token the tokenizer matches in user text (a non-special one,
+        self._unspecial) takes the tokenizer's path."""
+        if self._specials and (allow_special_tokens or not self._faithful):
+            return None
         fast = FastBpe(self.tokenizer, config)
-        if not fast.usable or (self._specials and (allow_special_tokens or not self._faithful)):
+        if not fast.usable:
             return None
-        self._fixed = {i: self.tokenizer.encode(piece, add_special_tokens=False).ids
-                       for i, (piece, user) in enumerate(self._template_segments()) if not user}
-        self._fast_segments = self._template_segments()
-        plain = self.tokenizer.encode(PROBES[0], add_special_tokens=False).ids
-        whole = self.tokenizer.encode(PROBES[0]).ids
-        at = next((k for k in range(len(whole) - len(plain) + 1) if whole[k : k + len(plain)] == plain), None)
-        if at is None:
-            return None
-        self._post = (whole[:at], whole[at + len(plain):])  # what the post-processor puts around a text
-        self._fast_bpe = fast
-        others = [t.content for t in self.tokenizer.get_added_tokens_decoder().values() if not t.special]
+        self._fast_segments = [(piece, None if user else self.tokenizer.encode(piece, add_special_tokens=False).ids)
+                               for piece, user in self._template_segments()]
+        self._unspecial = [t.content for t in self.tokenizer.get_added_tokens_decoder().values() if not t.special]
+        self._fast = fast
         if not all(self._encode_fast(p) == self.tokenizer.encode(self.apply_template(p)).ids for p in PROBES):
             return None
-        return fast, others
+        return fast
 
     def _encode_fast(self, text: str) -> list[int]:
-        ids = list(self._post[0])
-        for i, (piece, user) in enumerate(self._fast_segments):
-            ids += self._fast_bpe.encode(piece.replace(self.placeholder, text)) if user else self._fixed[i]
-        return ids + self._post[1]
+        """The templated text's ids: each template piece's fixed ids, or tiktoken's of the piece
+        holding the text."""
+        ids = list(self._pieces.prefix)
+        for piece, fixed in self._fast_segments:
+            ids += self._fast.encode(piece.replace(self.placeholder, text)) if fixed is None else fixed
+        return ids + self._pieces.suffix
 
     # --- special tokens in the template only --------------------------------------------------
     def _count_specials(self, ids: list[int]) -> int:
