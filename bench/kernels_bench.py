@@ -6,7 +6,7 @@ flash SDPA with and without its pad/unpad, flash `varlen_attn` and compiled flex
 precomputed document-causal block mask; for beam decode SDPA over the prompt K/V copied per beam;
 for QK-norm + RoPE and SiLU * up what Inductor generates from the reference (what the graphs ran
 before the kernels). Also the beam step's vocabulary top-k with its logsumexp: PyTorch's (one pass, or two
-stages over chunks) against kernels/vocab_topk.py.
+stages over chunks) against slm_kernels/vocab_topk.py.
 
     python -m bench.kernels_bench --out FILE.json [--only "selection"]
 """
@@ -18,13 +18,13 @@ import random
 import torch
 import torch.nn.functional as F
 
-from kernels.attention_ref import packed_attention_ref, prefix_suffix_attention_ref, random_prefix_inputs
-from kernels.packed_attention import packed_attention
-from kernels.prefix_attention import prefix_suffix_attention
-from kernels.qkv_rope import qkv_rope
-from kernels.layer_ref import qkv_rope_ref, silu_mul_ref
-from kernels.silu_mul import silu_mul
-from kernels.vocab_topk import vocab_topk
+from slm_kernels.attention_ref import packed_attention_ref, prefix_suffix_attention_ref, random_prefix_inputs
+from slm_kernels.packed_attention import packed_attention
+from slm_kernels.prefix_attention import prefix_suffix_attention
+from slm_kernels.qkv_rope import qkv_rope
+from slm_kernels.layer_ref import qkv_rope_ref, silu_mul_ref
+from slm_kernels.silu_mul import silu_mul
+from slm_kernels.vocab_topk import vocab_topk
 from slm_core.build.beam_graph import places, top
 
 

@@ -236,7 +236,7 @@ class TaskSpec:
 
 @dataclass(frozen=True)
 class RuntimeSpec:
-    """Where the engine runs, and with which kernels: "triton" (kernels/, compiled for CUDA; the
+    """Where the engine runs, and with which kernels: "triton" (slm_kernels/, compiled for CUDA; the
     CPU interpreter in tests) or "reference" (their PyTorch references: CPU, and test oracles).
     Left out, the device decides: Triton on CUDA, the references on CPU, where AOTInductor
     cannot compile a graph holding a Triton kernel. Fixed when a graph is built."""

@@ -36,7 +36,7 @@ class BeamGraph(nn.Module):
     def __init__(self, model: Transformer, beam_width: int, new_tokens: int, stop_ids: list[int], pad_id: int,
                  topk=None):
         super().__init__()
-        self.topk = topk  # kernels.vocab_topk.vocab_topk, or None for torch.topk + torch.logsumexp
+        self.topk = topk  # slm_kernels.vocab_topk.vocab_topk, or None for torch.topk + torch.logsumexp
         if 2 * beam_width > model.spec.vocab_size:
             raise SpecError(f"beam_width={beam_width} needs 2 * beam_width <= vocab size {model.spec.vocab_size}")
         self.model = model
@@ -53,7 +53,7 @@ class BeamGraph(nn.Module):
     def build(cls, task, model: Transformer, ckpt: Checkpoint, runtime: RuntimeSpec) -> "BeamGraph":
         topk = None
         if runtime.kernels == "triton":
-            from kernels.vocab_topk import vocab_topk as topk
+            from slm_kernels.vocab_topk import vocab_topk as topk
         stop = task.stop_ids
         return cls(model, task.width, task.new_tokens, stop, pad_id=stop[0] if stop else 0, topk=topk, **cls.options(task))
 

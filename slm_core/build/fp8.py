@@ -6,7 +6,7 @@ request's ~1,700 rows, where per-row scales gain ~1.15x (bench.gemm_bench).
 - The input scales are fixed at build: calibrate runs the bf16 graph on CALIBRATION_TEXTS, and each
   input scale covers STATIC_HEADROOM times the largest |input| seen; larger inputs saturate. So
   quantising an input is a multiply inside the kernel that writes it: Inductor's norm before qkv
-  and gate/up, the SiLU·up kernel before down (kernels/silu_mul.py, silu_mul_static).
+  and gate/up, the SiLU·up kernel before down (slm_kernels/silu_mul.py, silu_mul_static).
 - The o-projection, norms, attention, softmax, log-softmax and the heads stay bf16 / fp32: the
   o-projection in E4M3 per tensor fails the accuracy gate on the W1 model.
 
@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from kernels.layer_ref import E4M3_MAX, quantize_static_ref, silu_mul_static_ref
+from slm_kernels.layer_ref import E4M3_MAX, quantize_static_ref, silu_mul_static_ref
 from slm_core.errors import SpecError
 
 STATIC_HEADROOM = 2.0  # an input scale covers twice the largest |input| calibration saw
@@ -115,7 +115,7 @@ def quantize_linears(model: nn.Module, amax: dict[nn.Module, float], triton: boo
     """Swap in the E4M3 qkv and MLPs, in place, with the calibrated input ranges `amax`; with
     `triton`, SiLU·up and its quantisation are the Triton kernel (CUDA), else the reference."""
     if triton:
-        from kernels.silu_mul import silu_mul_static
+        from slm_kernels.silu_mul import silu_mul_static
     else:
         silu_mul_static = silu_mul_static_ref
     for layer in model.layers:

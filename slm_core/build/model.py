@@ -12,8 +12,8 @@ from typing import Callable, Mapping, NamedTuple
 import torch
 from torch import nn
 
-from kernels import packed_attention_ref, prefix_suffix_attention_ref, sequence_of_tokens
-from kernels.layer_ref import qkv_rope_ref, rms_norm_ref, silu_mul_ref
+from slm_kernels import packed_attention_ref, prefix_suffix_attention_ref, sequence_of_tokens
+from slm_kernels.layer_ref import qkv_rope_ref, rms_norm_ref, silu_mul_ref
 from slm_core.errors import SpecError
 from slm_core.spec import ModelSpec
 
@@ -48,10 +48,10 @@ REFERENCE_OPS = Ops(
 
 def triton_ops() -> Ops:
     """The Triton ops (imported only when asked for: triton is optional on CPU)."""
-    from kernels.packed_attention import packed_attention
-    from kernels.prefix_attention import prefix_suffix_attention
-    from kernels.qkv_rope import qkv_rope
-    from kernels.silu_mul import silu_mul
+    from slm_kernels.packed_attention import packed_attention
+    from slm_kernels.prefix_attention import prefix_suffix_attention
+    from slm_kernels.qkv_rope import qkv_rope
+    from slm_kernels.silu_mul import silu_mul
 
     return Ops(packed_attention, prefix_suffix_attention, qkv_rope, silu_mul)
 

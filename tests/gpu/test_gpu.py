@@ -165,8 +165,8 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     (list(range(16, 513, 33)), (9, 3, 64)),  # lengths 16..511, SmolLM2 heads
 ])
 def test_packed_attention_bf16_full_size(lengths, heads):
-    from kernels.attention_ref import packed_attention_ref
-    from kernels.packed_attention import packed_attention
+    from slm_kernels.attention_ref import packed_attention_ref
+    from slm_kernels.packed_attention import packed_attention
 
     hq, hkv, d = heads
     torch.manual_seed(len(lengths))
@@ -183,8 +183,8 @@ def test_packed_attention_bf16_full_size(lengths, heads):
                                           (400, 100, (16, 8, 128))])
 @pytest.mark.parametrize("s", [1, 2, 3, 4, 5])
 def test_prefix_suffix_attention_bf16_full_size(w, lp, heads, s):
-    from kernels.attention_ref import prefix_suffix_attention_ref
-    from kernels.prefix_attention import prefix_suffix_attention
+    from slm_kernels.attention_ref import prefix_suffix_attention_ref
+    from slm_kernels.prefix_attention import prefix_suffix_attention
 
     hq, hkv, d = heads
     torch.manual_seed(w + lp + s)
@@ -200,8 +200,8 @@ def test_prefix_suffix_attention_bf16_full_size(w, lp, heads, s):
 
 def test_prefix_suffix_attention_bf16_several_prompts():
     """W3-like: 4 prompts of different lengths, 100 beams each, in one call."""
-    from kernels.attention_ref import prefix_suffix_attention_ref, random_prefix_inputs
-    from kernels.prefix_attention import prefix_suffix_attention
+    from slm_kernels.attention_ref import prefix_suffix_attention_ref, random_prefix_inputs
+    from slm_kernels.prefix_attention import prefix_suffix_attention
 
     torch.manual_seed(0)
     prompts, w, (hq, hkv, d) = [384, 512, 401, 450], 100, (14, 2, 64)
@@ -218,8 +218,8 @@ def test_prefix_suffix_attention_bf16_several_prompts():
 def test_qkv_rope_bf16_full_size(t, heads, norm):
     """W1 prefill (Qwen3, QK-norm), W2 decode rows (Qwen2.5), SmolLM2 heads, one token: bf16 kernel
     against the fp32 reference, and within bf16 rounding of the bf16 reference (transformers')."""
-    from kernels.qkv_rope import qkv_rope
-    from kernels.layer_ref import qkv_rope_ref
+    from slm_kernels.qkv_rope import qkv_rope
+    from slm_kernels.layer_ref import qkv_rope_ref
 
     hq, hkv, d = heads
     torch.manual_seed(t)
@@ -241,8 +241,8 @@ def test_qkv_rope_bf16_full_size(t, heads, norm):
 def test_silu_mul_bf16_full_size(t, inner):
     """W1 prefill (Qwen3-0.6B MLP), W2 decode rows (Qwen2.5-0.5B), one row (SmolLM2): equal to the
     bf16 reference (transformers' rounding points) up to one rounding, and close to fp32."""
-    from kernels.layer_ref import silu_mul_ref
-    from kernels.silu_mul import silu_mul
+    from slm_kernels.layer_ref import silu_mul_ref
+    from slm_kernels.silu_mul import silu_mul
 
     torch.manual_seed(t)
     x = torch.randn(t, 2 * inner, device="cuda") * 4
@@ -256,8 +256,8 @@ def test_silu_mul_bf16_full_size(t, inner):
 @pytest.mark.parametrize("t, inner", [(1641, 3072), (801, 4864)])
 def test_silu_mul_static_bf16_full_size(t, inner):
     """fp8-static's SiLU·up quantised with a fixed scale: values within one E4M3 step of the reference."""
-    from kernels.layer_ref import silu_mul_static_ref
-    from kernels.silu_mul import silu_mul_static
+    from slm_kernels.layer_ref import silu_mul_static_ref
+    from slm_kernels.silu_mul import silu_mul_static
 
     torch.manual_seed(t)
     x = (torch.randn(t, 2 * inner, device="cuda") * 4).bfloat16()
@@ -272,7 +272,7 @@ def test_fp8_static_graphs_bf16_on_cuda(random_checkpoint):
     """fp8-static (per-tensor E4M3 qkv and MLP, input scales calibrated at build) with the Triton
     kernels: StaticFp8Linear at the W1 gate/up shape is the product of its operands on cuBLAS; the
     score and beam graphs pass the accuracy gate against bf16 and export."""
-    from kernels.layer_ref import quantize_static_ref
+    from slm_kernels.layer_ref import quantize_static_ref
     from slm_core.build.fp8 import StaticFp8Linear
 
     torch.manual_seed(0)
@@ -294,7 +294,7 @@ def test_fp8_static_graphs_bf16_on_cuda(random_checkpoint):
 def test_vocab_topk_bf16_full_size(rows):
     """The beam step's shape (V = 151,936, k = 2W = 200): the same values as torch.topk, ids that
     hold them, logsumexp as torch's, and the same answer twice."""
-    from kernels.vocab_topk import vocab_topk
+    from slm_kernels.vocab_topk import vocab_topk
 
     torch.manual_seed(rows)
     logits = (torch.randn(rows, 151936, device="cuda") * 3).bfloat16()

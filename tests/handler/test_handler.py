@@ -122,7 +122,7 @@ SERVE_WITHOUT_BUILD = """
 import importlib.abc, json, sys
 class Refuse(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("kernels", "transformers", "gguf") or name.startswith(("slm_core.build", "slm_core.api")):
+        if name.split(".")[0] in ("slm_kernels", "transformers", "gguf") or name.startswith(("slm_core.build", "slm_core.api")):
             raise ImportError(f"{name} is build-time: a worker must not import it")
 sys.meta_path.insert(0, Refuse())
 model_dir, tests = sys.argv[1], sys.argv[2]
@@ -140,7 +140,7 @@ print(json.dumps({"status": ctx.status[0][0], "body": out[0].decode(),
 
 def test_a_worker_serves_with_the_build_time_modules_unimportable(archives, tmp_path):
     """As TorchServe runs it, from the unpacked archive: the handler loads the package and answers
-    a request while slm_core.build, slm_core.api, kernels, transformers and gguf cannot be
+    a request while slm_core.build, slm_core.api, slm_kernels, transformers and gguf cannot be
     imported (the compiled graph replaces the Python model); the answer equals the package's."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     run = subprocess.run([sys.executable, "-c", SERVE_WITHOUT_BUILD, str(archives["tiny_beam"]),

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kernels import packed_attention_ref, prefix_suffix_attention_ref
-from kernels.attention_ref import random_prefix_inputs
+from slm_kernels import packed_attention_ref, prefix_suffix_attention_ref
+from slm_kernels.attention_ref import random_prefix_inputs
 
 
 def naive_attention(q, k, v, causal: bool, scale: float):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import engine_for
-from kernels.layer_ref import E4M3_MAX, quantize_static_ref
+from slm_kernels.layer_ref import E4M3_MAX, quantize_static_ref
 from slm_core import SpecError
 from slm_core.build.checkpoint import load_checkpoint
 from slm_core.build.checks import GateThresholds, fp8_gate

@@ -12,7 +12,7 @@ CORE = REPO / "slm_core"
 SERVE_TIME = sorted([*(CORE / "serve").glob("*.py"), *(CORE / "tasks").glob("*.py"), REPO / "handlers" / "slm_handler.py",
                      *(CORE / n for n in ("__init__.py", "errors.py", "spec.py", "serving.py", "manifest.py",
                                           "tokenizer.py", "fast_bpe.py", "pieces.py", "byte_table.py", "flops.py"))])
-BUILD_TIME = ("slm_core.build", "slm_core.api", "kernels", "transformers", "gguf", "safetensors")
+BUILD_TIME = ("slm_core.build", "slm_core.api", "slm_kernels", "transformers", "gguf", "safetensors")
 KINDS = {"score", "beam", "labels", "classifier", "embedding", "mlp"}  # the task YAML's `task` and `head` values
 
 

@@ -86,7 +86,7 @@ def test_archives_carry_their_serving_spec_and_serve_time_sources_only(archives)
     assert beam == plan(ServingOptions(deadline_ms=80), "cpu", 2, manifest["call_ms"])[0] and beam.deadline_ms == 80
     names = zipfile.ZipFile(store / "tiny_beam.mar").namelist()
     assert "slm_core/serve/engine.py" in names and "slm_core/tasks/beam.py" in names
-    assert not [n for n in names if n.startswith(("slm_core/build/", "slm_core/api.py", "kernels/"))]
+    assert not [n for n in names if n.startswith(("slm_core/build/", "slm_core/api.py", "slm_kernels/"))]
 
 
 def test_configure_writes_a_new_archive_of_the_same_package(archives, tmp_path):

@@ -29,8 +29,8 @@ def compile_for_hopper(kernel, constants: dict, pointers: dict | None = None, fl
 @pytest.mark.parametrize("float_type", ["fp32", "fp64"])
 @pytest.mark.parametrize("group, head_dim", [(2, 128), (7, 64), (3, 64)])  # Qwen3-0.6B, Qwen2.5-0.5B, SmolLM2
 def test_attention_kernels_compile_for_hopper(group, head_dim, float_type):
-    from kernels.packed_attention import GROUPED_ROWS, _packed_attention_kernel
-    from kernels.prefix_attention import _prefix_attention_kernel
+    from slm_kernels.packed_attention import GROUPED_ROWS, _packed_attention_kernel
+    from slm_kernels.prefix_attention import _prefix_attention_kernel
 
     pad = triton.next_power_of_2(group)
     heads = dict(GROUP=group, GROUP_PAD=pad, HEAD_DIM=head_dim)
@@ -44,7 +44,7 @@ def test_attention_kernels_compile_for_hopper(group, head_dim, float_type):
 
 @pytest.mark.parametrize("heads, kv_heads, head_dim, norm", [(16, 8, 128, True), (14, 2, 64, False), (9, 3, 64, False)])
 def test_qkv_rope_compiles_for_hopper(heads, kv_heads, head_dim, norm):
-    from kernels.qkv_rope import _qkv_rope_kernel
+    from slm_kernels.qkv_rope import _qkv_rope_kernel
 
     p2 = triton.next_power_of_2
     constants = dict(HEADS=heads, HEADS_PAD=p2(heads), KV_HEADS=kv_heads, KV_PAD=p2(kv_heads), HEAD_DIM=head_dim,
@@ -55,14 +55,14 @@ def test_qkv_rope_compiles_for_hopper(heads, kv_heads, head_dim, norm):
 
 @pytest.mark.parametrize("static, float_type", [(False, "fp32"), (True, "fp32"), (True, "fp64")])
 def test_silu_mul_kernels_compile_for_hopper(static, float_type):
-    from kernels.silu_mul import _silu_mul_kernel
+    from slm_kernels.silu_mul import _silu_mul_kernel
 
     out = {"out_ptr": "*fp8e4nv" if static else "*bf16"}
     assert compile_for_hopper(_silu_mul_kernel, dict(BLOCK=1024, STATIC=static), out, float_type)["cubin"]
 
 
 def test_vocab_topk_compiles_for_hopper():
-    from kernels.vocab_topk import _group_max_pass
+    from slm_kernels.vocab_topk import _group_max_pass
 
     stats = {"bmax_ptr": "*fp32", "bsum_ptr": "*fp32"}
     assert compile_for_hopper(_group_max_pass, dict(GROUP=32, GROUPS=64), stats)["cubin"]  # the graphs' group

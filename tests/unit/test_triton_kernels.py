@@ -14,8 +14,8 @@ pytest.importorskip("triton")
 
 PACKED_CHECK = r"""
 import json, sys, torch
-from kernels.packed_attention import packed_attention
-from kernels.attention_ref import packed_attention_ref
+from slm_kernels.packed_attention import packed_attention
+from slm_kernels.attention_ref import packed_attention_ref
 errors = []
 for lengths, (hq, hkv, d), block in json.loads(sys.argv[1]):
     torch.manual_seed(len(lengths))
@@ -54,8 +54,8 @@ def test_packed_attention_matches_reference_in_interpreter():
 
 PREFIX_CHECK = r"""
 import json, sys, torch
-from kernels.prefix_attention import prefix_suffix_attention
-from kernels.attention_ref import prefix_suffix_attention_ref, random_prefix_inputs
+from slm_kernels.prefix_attention import prefix_suffix_attention
+from slm_kernels.attention_ref import prefix_suffix_attention_ref, random_prefix_inputs
 errors = []
 for w, prompts, s, (hq, hkv, d), block_w in json.loads(sys.argv[1]):
     torch.manual_seed(w + sum(prompts))
@@ -86,8 +86,8 @@ def test_prefix_suffix_attention_matches_reference_in_interpreter():
 
 QKV_ROPE_CHECK = r"""
 import json, sys, torch
-from kernels.qkv_rope import qkv_rope
-from kernels.layer_ref import qkv_rope_ref
+from slm_kernels.qkv_rope import qkv_rope
+from slm_kernels.layer_ref import qkv_rope_ref
 errors = []
 for t, hq, hkv, d, norm in json.loads(sys.argv[1]):
     torch.manual_seed(t + hq)
@@ -117,8 +117,8 @@ def test_qkv_rope_matches_reference_in_interpreter():
 
 SILU_CHECK = r"""
 import json, sys, torch
-from kernels.silu_mul import silu_mul
-from kernels.layer_ref import silu_mul_ref
+from slm_kernels.silu_mul import silu_mul
+from slm_kernels.layer_ref import silu_mul_ref
 errors = []
 for t, inner, block in json.loads(sys.argv[1]):
     torch.manual_seed(t + inner)
@@ -132,8 +132,8 @@ print(json.dumps(errors))
 
 SILU_STATIC_CHECK = r"""
 import json, sys, torch
-from kernels.silu_mul import silu_mul_static
-from kernels.layer_ref import silu_mul_static_ref
+from slm_kernels.silu_mul import silu_mul_static
+from slm_kernels.layer_ref import silu_mul_static_ref
 out = []
 for t, inner, block, amax in json.loads(sys.argv[1]):
     torch.manual_seed(t + inner)
@@ -170,7 +170,7 @@ def test_silu_mul_matches_reference_in_interpreter():
 
 TOPK_CHECK = r"""
 import json, sys, torch
-from kernels.vocab_topk import vocab_topk
+from slm_kernels.vocab_topk import vocab_topk
 out = []
 for rows, vocab, k, kind in json.loads(sys.argv[1]):
     torch.manual_seed(vocab + k)
@@ -207,7 +207,7 @@ def test_vocab_topk_matches_torch_in_interpreter():
 def test_wrappers_refuse_bad_shapes():
     import torch
 
-    from kernels.packed_attention import packed_attention
+    from slm_kernels.packed_attention import packed_attention
 
     cu = torch.tensor([0, 4], dtype=torch.int32)
     with pytest.raises(ValueError, match="unsupported shapes"):
@@ -215,12 +215,12 @@ def test_wrappers_refuse_bad_shapes():
     with pytest.raises(ValueError, match="head dimension must be contiguous"):
         q = torch.randn(4, 16, 2).transpose(1, 2)
         packed_attention(q, torch.randn(4, 2, 16), torch.randn(4, 2, 16), cu, 0.25, 4)
-    from kernels.vocab_topk import vocab_topk
+    from slm_kernels.vocab_topk import vocab_topk
 
     for k in (0, 11):
         with pytest.raises(ValueError, match="unsupported k"):
             vocab_topk(torch.randn(2, 10), k)
-    from kernels.prefix_attention import prefix_suffix_attention
+    from slm_kernels.prefix_attention import prefix_suffix_attention
 
     with pytest.raises(ValueError, match="unsupported shapes"):
         prefix_suffix_attention(torch.randn(4, 4, 16), torch.randn(3, 2, 16), torch.randn(3, 2, 16),

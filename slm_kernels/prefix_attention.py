@@ -6,7 +6,7 @@ FP32 online softmax, without concatenating anything. One program takes BLOCK_W b
 prompt × the G query heads of one kv head as its M rows, so each prompt K/V tile is read once per
 group of beams (the Hydragen / cascade-attention idea). Splitting a prompt's keys between
 programs (flash-decoding) measured no faster at W2's and W3's decode shapes on the H200.
-Reference: kernels.attention_ref.prefix_suffix_attention_ref.
+Reference: slm_kernels.attention_ref.prefix_suffix_attention_ref.
 """
 
 import torch
@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from kernels.online_softmax import launch_options, online_softmax_block
+from slm_kernels.online_softmax import launch_options, online_softmax_block
 
 
 @triton.jit

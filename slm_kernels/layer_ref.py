@@ -2,7 +2,7 @@
 QKV rows into heads, RMS-normalising q and k per head (Qwen3's QK-norm) and rotating them (RoPE);
 SiLU(gate) * up, and that quantised to E4M3 with one static scale (fp8-static's down-projection
 input). They
-define the interfaces kernels/qkv_rope.py and kernels/silu_mul.py implement, and are the path the
+define the interfaces slm_kernels/qkv_rope.py and slm_kernels/silu_mul.py implement, and are the path the
 reference graphs run. The arithmetic is transformers': RMSNorm normalises in
 FP32, rounds to the model dtype and scales by the weight in the model dtype; RoPE is
 q * cos + rotate_half(q) * sin in the model dtype; the MLP is silu(gate) * up in the model dtype.

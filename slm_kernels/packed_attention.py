@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from kernels.online_softmax import launch_options, online_softmax_block
+from slm_kernels.online_softmax import launch_options, online_softmax_block
 
 
 GROUPED_ROWS = 64  # query rows (positions x padded group) per program

@@ -1,4 +1,4 @@
-"""QK-norm + RoPE in one Triton kernel, and its wrapper. Reference: kernels.layer_ref.qkv_rope_ref.
+"""QK-norm + RoPE in one Triton kernel, and its wrapper. Reference: slm_kernels.layer_ref.qkv_rope_ref.
 
 One program per token: it reads the token's fused QKV row once, RMS-normalises each q and k head
 (when the model has QK-norm), rotates them and writes q, k and a contiguous v. What it replaces in
@@ -61,7 +61,7 @@ def qkv_rope(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
     q_weight: Optional[torch.Tensor] = None, k_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """As kernels.layer_ref.qkv_rope_ref; q, k, v come back contiguous."""
+    """As slm_kernels.layer_ref.qkv_rope_ref; q, k, v come back contiguous."""
     t, d = qkv.shape[0], cos.shape[-1]
     if qkv.shape[1] != (heads + 2 * kv_heads) * d or d % 2 or d & (d - 1) or cos.shape != sin.shape:
         raise ValueError(f"qkv_rope: unsupported shapes qkv {tuple(qkv.shape)}, cos {tuple(cos.shape)}")

@@ -1,4 +1,4 @@
-"""SiLU(gate) * up in one Triton kernel, and its wrapper. Reference: kernels.layer_ref.silu_mul_ref.
+"""SiLU(gate) * up in one Triton kernel, and its wrapper. Reference: slm_kernels.layer_ref.silu_mul_ref.
 For fp8-static (slm_core.build.fp8), silu_mul_static also quantises it to E4M3 with one scale
 fixed at build, so the [T, I] product is never written in the model dtype (reference:
 kernels.layer_ref.silu_mul_static_ref).
@@ -51,13 +51,13 @@ def _silu_mul_into(gate_up: torch.Tensor, out_dtype: torch.dtype, scale: float, 
 
 @triton_op("slm::silu_mul", mutates_args={})  # exports into AOTInductor graphs
 def silu_mul(gate_up: torch.Tensor, block: int = 1024) -> torch.Tensor:
-    """As kernels.layer_ref.silu_mul_ref."""
+    """As slm_kernels.layer_ref.silu_mul_ref."""
     return _silu_mul_into(gate_up, gate_up.dtype, 0.0, block)
 
 
 @triton_op("slm::silu_mul_static", mutates_args={})
 def silu_mul_static(gate_up: torch.Tensor, scale: float, block: int = 1024) -> torch.Tensor:
-    """As kernels.layer_ref.silu_mul_static_ref: E4M3 [T, I]. The scale is a number fixed at build,
+    """As slm_kernels.layer_ref.silu_mul_static_ref: E4M3 [T, I]. The scale is a number fixed at build,
     not a tensor: AOTInductor folds a 0-dim constant tensor into a value that a Triton kernel's
     signature cannot take (InductorError "'<=' not supported between 'Constant' and 'int'")."""
     return _silu_mul_into(gate_up, torch.float8_e4m3fn, scale, block)
