@@ -1,17 +1,22 @@
 """tiktoken's BPE against the `tokenizers` library on a byte-level BPE tokenizer.json: speed per
-W1 request (15 texts, one thread each) and whether the ids are equal, on every vocabulary
+call of 1 and 4 W1 requests (15 texts each), and whether the ids are equal, on every vocabulary
 string and on random texts (real words, and mixed scripts, digits and punctuation) without the
 tokenizer's added tokens. W1's handler time outside the graph is mostly this tokenizing.
 
+tiktoken releases the GIL while it encodes, so a call's texts may also be split over a thread
+pool (contiguous runs of about equal characters, one per thread); that is timed too.
+
 The encoder is slm_core.fast_bpe's (which says when the two agree); it matches no added tokens.
 
-    RAYON_NUM_THREADS=1 python -m bench.bpe_compare --tokenizer bench/assets/tokenizer.json
+    RAYON_NUM_THREADS=1 python -m bench.bpe_compare --tokenizer bench/assets/tokenizer.json [--threads 2]
 """
 
 import argparse
 import json
 import random
+import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from tokenizers import Tokenizer
 
@@ -22,10 +27,25 @@ MIXED = list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,;
              "éüñßøåçœ日本語中文한국어🤖😀—–…«»€£¥")
 
 
+def split_over(pool: ThreadPoolExecutor, enc, texts: list[str]) -> list[list[int]]:
+    """Each text's ids, contiguous runs of texts of about equal characters encoded by the pool's threads."""
+    k, total = pool._max_workers, sum(map(len, texts))
+    runs, run, seen = [], [], 0
+    for t in texts:
+        run.append(t)
+        seen += len(t)
+        if seen * k >= total * (len(runs) + 1):
+            runs.append(run)
+            run = []
+    runs += [run] if run else []
+    return [ids for part in pool.map(lambda r: [enc.encode_ordinary(t) for t in r], runs) for ids in part]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokenizer", required=True)
     p.add_argument("--random-texts", type=int, default=20_000)
+    p.add_argument("--threads", type=int, default=2, help="the thread pool's size for the split timing")
     args = p.parse_args()
     tok = Tokenizer.from_file(args.tokenizer)
     config = json.loads(tok.to_str())
@@ -35,15 +55,23 @@ def main() -> None:
         return
     enc = fast.encoding
 
-    requests = TextMaker(tok, seed=2).requests(WORKLOADS["W1"], 8)
-    texts = [t for r in requests for t in r["texts"]]
-    for name, run in (("tokenizers encode_batch_fast", lambda: tok.encode_batch_fast(texts, add_special_tokens=False)),
-                      ("tiktoken encode_ordinary, one text after another", lambda: [enc.encode_ordinary(t) for t in texts])):
-        run()
-        start = time.perf_counter()
-        for _ in range(20):
-            run()
-        print(f"{name}: {(time.perf_counter() - start) / 20 / len(requests) * 1e3:.3f} ms per W1 request")
+    requests = TextMaker(tok, seed=2).requests(WORKLOADS["W1"], 4)
+    pool = ThreadPoolExecutor(args.threads)
+    for n in (1, 4):
+        texts = [t for r in requests[:n] for t in r["texts"]]
+        runs = (("tokenizers encode_batch_fast", lambda: tok.encode_batch_fast(texts, add_special_tokens=False)),
+                ("tiktoken encode_ordinary, one text after another", lambda: [enc.encode_ordinary(t) for t in texts]),
+                (f"tiktoken encode_ordinary over {args.threads} threads", lambda: split_over(pool, enc, texts)))
+        for name, run in runs:
+            assert [list(ids) for ids in (e.ids if hasattr(e, "ids") else e for e in run())] == \
+                [enc.encode_ordinary(t) for t in texts]
+            timings = []
+            for _ in range(5):
+                start = time.perf_counter()
+                for _ in range(40):
+                    run()
+                timings.append((time.perf_counter() - start) / 40 * 1e3)
+            print(f"{name}: {statistics.median(timings):.3f} ms per call of {n} W1 request(s)")
 
     decode = byte_decoder()
     specials = [t["content"] for t in config["added_tokens"]]
