@@ -27,9 +27,9 @@ MIXED = list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,;
              "éüñßøåçœ日本語中文한국어🤖😀—–…«»€£¥")
 
 
-def split_over(pool: ThreadPoolExecutor, enc, texts: list[str]) -> list[list[int]]:
-    """Each text's ids, contiguous runs of texts of about equal characters encoded by the pool's threads."""
-    k, total = pool._max_workers, sum(map(len, texts))
+def split_over(pool: ThreadPoolExecutor, k: int, enc, texts: list[str]) -> list[list[int]]:
+    """Each text's ids, k contiguous runs of texts of about equal characters encoded by the pool's threads."""
+    total = sum(map(len, texts))
     runs, run, seen = [], [], 0
     for t in texts:
         run.append(t)
@@ -61,7 +61,7 @@ def main() -> None:
         texts = [t for r in requests[:n] for t in r["texts"]]
         runs = (("tokenizers encode_batch_fast", lambda: tok.encode_batch_fast(texts, add_special_tokens=False)),
                 ("tiktoken encode_ordinary, one text after another", lambda: [enc.encode_ordinary(t) for t in texts]),
-                (f"tiktoken encode_ordinary over {args.threads} threads", lambda: split_over(pool, enc, texts)))
+                (f"tiktoken encode_ordinary over {args.threads} threads", lambda: split_over(pool, args.threads, enc, texts)))
         for name, run in runs:
             assert [list(ids) for ids in (e.ids if hasattr(e, "ids") else e for e in run())] == \
                 [enc.encode_ordinary(t) for t in texts]
