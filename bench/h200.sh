@@ -6,6 +6,7 @@
 #   bash bench/h200.sh check-full  # every GPU test (adds AOTInductor builds and a CUDA TorchServe worker)
 #   bash bench/h200.sh kernels # the kernel bench (attention, QK-norm + RoPE, vocabulary top-k)
 #   bash bench/h200.sh gemm    # the linears of W1 and of the beam decode: cuBLAS bf16, Inductor max-autotune, FP8
+#   bash bench/h200.sh stepbench # a beam decode layer-step and step in process, each variant against its floor
 #   bash bench/h200.sh bench   # the measured run: noop ceiling, every $SLM deployment and the HF
 #                              # peer on W1-W3, served-answer check, report, PNGs
 #   bash bench/h200.sh profile # where one request's time goes, per archive, CUDA graphs on/off
@@ -21,7 +22,8 @@
 # stays warm, so each next call is just `follow`, back to back (the machine goes back when idle).
 # Needs: carry [".devbundle", "bench/assets"]; $OUT (the device tool's output folder); $COMMIT.
 # Optional: $VARIANTS, $SLM (below), $SYSTEMS (slm,hf: SYSTEMS=slm leaves the peer out), PROFILE=0, CHECK=0, KERNELS=0,
-# KERNELS_ONLY=TEXT (the kernel bench's cases whose name holds TEXT),
+# KERNELS_ONLY=TEXT (the kernel bench's cases whose name holds TEXT), STEP_BENCH=1 (bench.step_bench --sweep
+# first in the check slot, beside the build),
 # BENCH=0, LOADTIME=1 (the loadtime step after the profiles), CPU_PATH=1 (first, the host quiet: bench.cpu_path
 # per tokenizer thread pool size, $CPU_PATH_THREADS, default "1 2 4 16"),
 # RELIABILITY=1 (the reliability step after the bench; SOAK=600 adds the soak; DEADLINE=80: every
@@ -72,13 +74,15 @@ build)
     python3 -m bench.run "${ARGS[@]}" --jobs 6 --build-only --slm "$VARIANTS" --workloads "$WORKLOADS"
     wait ;;
 check)
-    python3 -m pytest -q -s tests/gpu -p no:cacheprovider -k "bf16 or export or triton_attention or two_gpus" ;;
+    python3 -m pytest -q -s tests/gpu -p no:cacheprovider -k "bf16 or export or triton_attention or two_gpus or decode_linear" ;;
 check-full)
     python3 -m pytest -q -s tests/gpu -p no:cacheprovider ;;
 kernels)
     python3 -m bench.kernels_bench --out "$OUT/kernels_bench.json" ${KERNELS_ONLY:+--only "$KERNELS_ONLY"} ;;
 gemm)
     python3 -m bench.gemm_bench --out "$OUT/gemm_bench.json" ;;
+stepbench)
+    python3 -m bench.step_bench --sweep --out "$OUT/step_bench.json" ;;
 bench)
     python3 -m bench.run "${ARGS[@]}" --out "$OUT" --warmup 1.5 --duration 3 --slm "$SLM" --no-build \
         --workloads "$WORKLOADS" --hf-workers 4 --systems "${SYSTEMS:-slm,hf}" "${@:2}"
@@ -149,8 +153,9 @@ all)
     [ "${CPU_PATH:-0}" = 1 ] && bash "$0" cpupath > "$OUT/cpu_path_threads.txt" 2>&1  # first: the host quiet
     mps "${MPS:-1}"
     bash "$0" build > "$OUT/build.log" 2>&1 &
-    [ "${CHECK:-1}" = 1 ] && { bash "$0" check > "$OUT/check.log" 2>&1
-                               [ "${KERNELS:-1}" = 0 ] || bash "$0" kernels > "$OUT/kernels.log" 2>&1; } &
+    { [ "${STEP_BENCH:-0}" = 0 ] || bash "$0" stepbench > "$OUT/step_bench.log" 2>&1
+      [ "${CHECK:-1}" = 0 ] || bash "$0" check > "$OUT/check.log" 2>&1
+      [ "${KERNELS:-1}" = 0 ] || bash "$0" kernels > "$OUT/kernels.log" 2>&1; } &
     wait
     [ "${CATALOG:-0}" = 1 ] && bash "$0" catalog > "$OUT/catalog.log" 2>&1
     # the in-process profiles before the sweeps: the GPU to themselves, and back first
@@ -174,6 +179,7 @@ start)
         FAULT_SECONDS=${FAULT_SECONDS:-} DEADLINE=${DEADLINE:-} \
         MPS=${MPS:-1} NOMPS_SLM=${NOMPS_SLM:-} CATALOG=${CATALOG:-0} LOADTIME=${LOADTIME:-0} PROFILE_GRAPHS="${PROFILE_GRAPHS:-on off}" \
         PROFILE_BEAM=${PROFILE_BEAM:-W2,W3} KERNELS_ONLY="${KERNELS_ONLY:-}" CPU_PATH=${CPU_PATH:-0} CPU_PATH_THREADS="${CPU_PATH_THREADS:-1 2 4 16}" \
+        STEP_BENCH=${STEP_BENCH:-0} \
         setsid nohup bash "$WORK/pipeline.sh" all > "$WORK/pipeline.log" 2>&1 < /dev/null &
     sleep 5
     bash "$0" follow ;;

@@ -290,6 +290,80 @@ def test_fp8_static_graphs_bf16_on_cuda(random_checkpoint):
         export_graph(quant.graph, quant.task)
 
 
+DECODE_MODELS = {  # hidden, (q heads, kv heads, head dim), MLP, QKV bias, QK-norm
+    "qwen2.5-0.5b": (896, (14, 2, 64), 4864, True, False),
+    "qwen3-0.6b": (1024, (16, 8, 128), 3072, False, True),
+    "smollm2-135m": (576, (9, 3, 64), 1536, False, False),
+}
+
+
+@pytest.mark.parametrize("rows, model", [(1, "qwen2.5-0.5b"), (100, "qwen2.5-0.5b"), (800, "qwen2.5-0.5b"),
+                                         (3200, "qwen2.5-0.5b"), (400, "qwen3-0.6b"), (200, "smollm2-135m")])
+def test_decode_linear_bf16_full_size(rows, model):
+    """A decode step's projections with their norm, RoPE, SiLU and residual (slm_kernels.decode_linear,
+    default tilings) at the models' sizes, up to W = 400 x 8 prompts: bf16 against the fp32 reference
+    of the same bf16 inputs, the same answer on a repeat (split-K sums in slice order), every
+    counter left at zero."""
+    from slm_kernels.decode_linear import linear_residual, norm_gate_up_silu, norm_qkv_rope
+    from slm_kernels.layer_ref import linear_residual_ref, norm_gate_up_silu_ref, norm_qkv_rope_ref
+
+    hidden, (hq, hkv, d), inner, qkv_bias, qk_norm = DECODE_MODELS[model]
+    torch.manual_seed(rows)
+    dev, bf = "cuda", torch.bfloat16
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, device=dev) * scale).to(bf)
+
+    x, g = randn(rows, hidden), (torch.rand(hidden, device=dev) + 0.5).to(bf)
+    angles = torch.rand(rows, d // 2, device=dev) * 100
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(bf) for f in (torch.cos, torch.sin))
+    qk = tuple((torch.rand(d, device=dev) + 0.5).to(bf) for _ in "qk") if qk_norm else (None, None)
+    wqkv, bqkv = randn((hq + 2 * hkv) * d, hidden, scale=0.05), randn((hq + 2 * hkv) * d) if qkv_bias else None
+    wo, res, wgu, wd = randn(hidden, hq * d, scale=0.05), randn(rows, hidden), randn(2 * inner, hidden, scale=0.05), \
+        randn(hidden, inner, scale=0.02)
+    act = randn(rows, inner)
+    counters = torch.zeros(1 << 16, dtype=torch.int32, device=dev)
+    f32 = lambda t: None if t is None else t.float()  # noqa: E731
+    cases = {
+        "norm_qkv_rope": (lambda: norm_qkv_rope(x, g, wqkv, bqkv, cos, sin, hq, hkv, *qk, 1e-6, counters),
+                          lambda: norm_qkv_rope_ref(*map(f32, (x, g, wqkv, bqkv, cos, sin)), hq, hkv, *map(f32, qk),
+                                                    1e-6)),
+        "linear_residual (o)": (lambda: linear_residual(act[:, :hq * d].contiguous(), wo, None, res, counters),
+                                lambda: linear_residual_ref(*map(f32, (act[:, :hq * d], wo, None, res)))),
+        "norm_gate_up_silu": (lambda: norm_gate_up_silu(x, g, wgu, None, 1e-6, counters),
+                              lambda: norm_gate_up_silu_ref(*map(f32, (x, g, wgu, None)), 1e-6)),
+        "linear_residual (down)": (lambda: linear_residual(act, wd, None, res, counters),
+                                   lambda: linear_residual_ref(*map(f32, (act, wd, None, res)))),
+    }
+    for name, (kernel, reference) in cases.items():
+        got, want = kernel(), reference()
+        got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+        errors = [rel_err(a, b) for a, b in zip(got, want)]
+        print(f"\n{model} {rows} rows {name}: rel err {max(errors):.1e}")
+        assert all(a.dtype == bf and a.shape == b.shape for a, b in zip(got, want)) and max(errors) <= 1e-2, name
+        assert all(torch.equal(a, b) for a, b in zip(got, outputs(kernel()))), name
+        assert not counters.any(), name
+
+
+def outputs(value) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def test_decode_linear_fp32_on_cuda():
+    """fp32 models (the tests' precision) multiply in IEEE fp32, not TF32: as exact as cuBLAS's fp32."""
+    from slm_kernels.decode_linear import linear_residual, norm_gate_up_silu
+    from slm_kernels.layer_ref import linear_residual_ref, norm_gate_up_silu_ref
+
+    torch.manual_seed(0)
+    x, w, res = torch.randn(100, 896, device="cuda"), torch.randn(896, 896, device="cuda") / 30, \
+        torch.randn(100, 896, device="cuda")
+    wgu, g = torch.randn(9728, 896, device="cuda") / 30, torch.rand(896, device="cuda") + 0.5
+    counters = torch.zeros(4096, dtype=torch.int32, device="cuda")
+    assert rel_err(linear_residual(x, w, None, res, counters), linear_residual_ref(x, w, None, res)) <= 1e-5
+    assert rel_err(norm_gate_up_silu(x, g, wgu, None, 1e-6, counters), norm_gate_up_silu_ref(x, g, wgu, None, 1e-6)) \
+        <= 1e-5
+
+
 @pytest.mark.parametrize("rows", [1, 100, 800])
 def test_vocab_topk_bf16_full_size(rows):
     """The beam step's shape (V = 151,936, k = 2W = 200): the same values as torch.topk, ids that

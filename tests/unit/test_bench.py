@@ -188,6 +188,26 @@ def test_loadgen_averages_the_handler_headers_and_keeps_the_first_refusal():
     assert (point.handler_ms, point.graph_ms, point.call_batch) == (3.0, 2.0, 2.0)
 
 
+@pytest.mark.parametrize("capacity, expected", [(7, [1, 2, 3, 4, 6, 8, 12, 7]), (13, [1, 2, 3, 4, 6, 8, 12, 16, 24, 14, 13]),
+                                                (0, [1, 2, 3]), (100, [1, 2, 3, 4, 6, 8, 12])])
+def test_the_sweep_bisects_between_the_last_level_that_met_the_slo_and_the_next(monkeypatch, capacity, expected):
+    """A grid of levels then bisection: a server meeting the SLO up to `capacity` requests in
+    flight is measured at exactly that concurrency; none met, or none missed, bisects nothing."""
+    import bench.loadgen as loadgen
+
+    def measure(url, bodies, c, warmup, duration):
+        ms = 10.0 if c <= capacity else 30.0
+        return loadgen.Point(c, c * 50.0, ms, ms, ms, 10, 0, duration, ())
+
+    monkeypatch.setattr(loadgen, "measure", measure)
+    seen = []
+    points = loadgen.sweep("url", [b"{}"], [1, 2, 3, 4, 6, 8, 12, 16, 24][: len(expected) if capacity == 100 else None],
+                           0.0, 1.0, on_point=lambda p: seen.append(p.concurrency))
+    assert [p.concurrency for p in points] == seen == expected
+    met = [p.concurrency for p in points if p.meets_slo()]
+    assert max(met, default=0) == min(capacity, max(expected))
+
+
 def test_the_open_loop_sends_every_phase_on_schedule_from_several_processes():
     """bench.reliability.open_loop: the phases' rates back to back, each request once, at the time
     it is due, split between the generator processes; each body in turn; per request its status,
