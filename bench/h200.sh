@@ -22,7 +22,7 @@
 # stays warm, so each next call is just `follow`, back to back (the machine goes back when idle).
 # Needs: carry [".devbundle", "bench/assets"]; $OUT (the device tool's output folder); $COMMIT.
 # Optional: $VARIANTS, $SLM (below), $SYSTEMS (slm,hf: SYSTEMS=slm leaves the peer out), PROFILE=0, CHECK=0, KERNELS=0,
-# KERNELS_ONLY=TEXT (the kernel bench's cases whose name holds TEXT), STEP_BENCH=1 (bench.step_bench --sweep
+# KERNELS_ONLY=TEXT (the kernel bench's cases whose name holds TEXT), STEP_BENCH=1 (bench.step_bench
 # first in the check slot, beside the build),
 # BENCH=0, LOADTIME=1 (the loadtime step after the profiles), CPU_PATH=1 (first, the host quiet: bench.cpu_path
 # per tokenizer thread pool size, $CPU_PATH_THREADS, default "1 2 4 16"),
@@ -74,7 +74,7 @@ build)
     python3 -m bench.run "${ARGS[@]}" --jobs 6 --build-only --slm "$VARIANTS" --workloads "$WORKLOADS"
     wait ;;
 check)
-    python3 -m pytest -q -s tests/gpu -p no:cacheprovider -k "bf16 or export or triton_attention or two_gpus or decode_linear" ;;
+    python3 -m pytest -q -s tests/gpu -p no:cacheprovider -k "bf16 or export or triton_attention or two_gpus" ;;
 check-full)
     python3 -m pytest -q -s tests/gpu -p no:cacheprovider ;;
 kernels)
@@ -82,7 +82,7 @@ kernels)
 gemm)
     python3 -m bench.gemm_bench --out "$OUT/gemm_bench.json" ;;
 stepbench)
-    python3 -m bench.step_bench --sweep --out "$OUT/step_bench.json" ;;
+    python3 -m bench.step_bench --out "$OUT/step_bench.json" ;;
 bench)
     python3 -m bench.run "${ARGS[@]}" --out "$OUT" --warmup 1.5 --duration 3 --slm "$SLM" --no-build \
         --workloads "$WORKLOADS" --hf-workers 4 --systems "${SYSTEMS:-slm,hf}" "${@:2}"

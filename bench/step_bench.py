@@ -4,30 +4,32 @@ For rows = the beams of 1, 2, 4, 8 W2 prompts (100 each), on W2's model (Qwen2.5
 bf16 weights), it reports per variant:
 - the decode layer-step: µs per layer (the 24 layers' decode over their own weights, so each
   layer's weights come from HBM as in the graphs, divided by 24), kernels per layer, and the
-  weight-read floor beside it: the layer's weight bytes over the HBM rate this run measures;
+  weight-read floor beside it: the layer's weight bytes over the HBM rate this run measures
+  (a 2 GiB device-to-device copy);
 - the whole decode step: the 24 layers, the final norm and LM head over the beams, and the
   vocabulary top-2W with its log-sum-exp (slm_kernels.vocab_topk), with its floor.
-Each variant is the model's own decode code compiled by Inductor as the graphs are (default
-configs, dynamic rows), replayed from a CUDA graph; kernels are counted by the profiler over
-replays. The variants differ in the Ops the blocks' decode runs:
-- "separate kernels": each projection in cuBLAS, with the norm before it (Inductor), QK-norm +
-  RoPE (slm_kernels.qkv_rope) and SiLU * up (slm_kernels.silu_mul) as kernels of their own;
-- "decode_linear": slm_kernels.decode_linear, each projection with the work around it, at the
-  kernels' default tilings, and at the tilings the sweep found best (--sweep).
-The sweep times each decode projection alone at each row count (24 weights in turn, from HBM),
-cuBLAS and the separate kernels against decode_linear's tilings.
+Each variant is the model's own decode code compiled by Inductor (default configs, dynamic rows),
+replayed from a CUDA graph; kernels are counted by the profiler over replays. One step compiled
+alone keeps its suffix K/V concatenation as kernels of its own, which the beam graph fuses into
+the next step's reordering gather: those kernels are listed, and count here, not there.
+Variants:
+- "bf16": the graphs' decode (the Triton attention, QK-norm + RoPE and SiLU * up kernels,
+  cuBLAS projections);
+- "fp8-static": the same with qkv, gate/up and down in E4M3 with one scale per tensor
+  (slm_core.build.fp8), the input scales calibrated on the bench's own inputs.
+A candidate joins as another variant: a function of the bf16 model that returns the model to time.
 
-    python -m bench.step_bench --out FILE.json [--rows 100,200,400,800] [--sweep]
+    python -m bench.step_bench --out FILE.json [--rows 100,200,400,800]
 """
 
 import argparse
-import functools
 import json
 
 import torch
 
 from bench.kernels_bench import graph_ms
-from slm_core.build.model import Ops, Transformer, separate_decode, triton_ops
+from slm_core.build.fp8 import calibrate, quantize_linears
+from slm_core.build.model import Transformer
 from slm_core.spec import ModelSpec, RopeSpec
 
 WIDTH, PROMPT, SUFFIX = 100, 88, 2  # W2: W = 100, prompts of 48-128 tokens; the third of 5 new tokens
@@ -53,7 +55,7 @@ def random_model() -> Transformer:
 
 def step_inputs(model: Transformer, rows: int) -> tuple:
     """A decode step's inputs for rows // WIDTH prompts of PROMPT tokens: last tokens, positions,
-    each layer's prompt K/V and suffix K/V, the prompts' boundaries."""
+    each layer's prompt K/V, the prompts' boundaries and each layer's suffix K/V."""
     s, dev = model.spec, "cuda"
     torch.manual_seed(rows)  # the same inputs for every variant
     prompts = rows // WIDTH
@@ -68,8 +70,15 @@ def step_inputs(model: Transformer, rows: int) -> tuple:
     return ids, positions, prefix, cu, suffix
 
 
+def fp8_static(model: Transformer) -> Transformer:
+    """model with qkv, gate/up and down in E4M3 (in place), input scales from a bf16 decode step."""
+    amax = calibrate(model, lambda: [model.decode(*step_inputs(model, rows)) for rows in (100, 400)])
+    quantize_linears(model, amax, triton=True)
+    return model
+
+
 def kernels_per_call(fn, calls: int = 5) -> tuple[float, list]:
-    """Kernels per call of fn replayed from a CUDA graph, and the GPU µs per call of each."""
+    """Kernels per call of fn replayed from a CUDA graph, and each kernel's GPU µs and launches per call."""
     graph = torch.cuda.CUDAGraph()
     fn()
     with torch.cuda.graph(graph):
@@ -84,149 +93,41 @@ def kernels_per_call(fn, calls: int = 5) -> tuple[float, list]:
     return sum(e.count for e in events) / calls, rows
 
 
-def layer_bytes(spec: ModelSpec) -> int:
-    s = spec
-    qkv = (s.q_size + 2 * s.kv_size) * (s.hidden_size + s.qkv_bias)
-    return 2 * (qkv + s.q_size * s.hidden_size + 3 * s.intermediate_size * s.hidden_size + 2 * s.hidden_size)
+def weight_bytes(module: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()]
+               if t.dtype in (torch.bfloat16, torch.float8_e4m3fn))
 
 
-def measure(model: Transformer, rows_list: list[int], gbps: float, ops: Ops, head) -> dict:
-    """The layer-step and the whole step of model with `ops`, at each row count; head: the
-    compiled LM head and vocabulary top-k, the step's end."""
-    for layer in model.layers:
-        layer.ops = ops
+def measure(model: Transformer, rows_list: list[int], gbps: float) -> dict:
+    """The layer-step and the whole step of model at each row count."""
+    from slm_kernels.vocab_topk import vocab_topk
+
     layers = torch.compile(lambda ids, pos, prefix, cu, suffix: model.decode(ids, pos, prefix, cu, suffix)[0],
                            dynamic=True, fullgraph=True)
-    out, n = {}, len(model.layers)
-    layer_floor = layer_bytes(model.spec) / gbps / 1e3
-    step_floor = (n * layer_bytes(model.spec) + model.lm_head.weight.numel() * 2) / gbps / 1e3
+    head = torch.compile(lambda hidden: vocab_topk(model.logits(hidden), 2 * WIDTH), dynamic=True, fullgraph=True)
+    n, layer = len(model.layers), weight_bytes(model.layers[0])
+    out = {}
     for rows in rows_list:
         args = step_inputs(model, rows)
         hidden = layers(*args)
         kernels, top = kernels_per_call(lambda: layers(*args))
         step_kernels, _ = kernels_per_call(lambda: head(layers(*args)))
         out[rows] = {"layer_us": graph_ms(lambda: layers(*args), calls=5) * 1e3 / n, "layer_kernels": kernels / n,
-                     "layer_floor_us": layer_floor, "step_us": graph_ms(lambda: head(layers(*args)), calls=5) * 1e3,
-                     "step_kernels": step_kernels, "step_floor_us": step_floor,
+                     "layer_floor_us": layer / gbps / 1e3,
+                     "step_us": graph_ms(lambda: head(layers(*args)), calls=5) * 1e3, "step_kernels": step_kernels,
+                     "step_floor_us": (n * layer + model.lm_head.weight.numel() * 2) / gbps / 1e3,
                      "kernels_per_layer_us": [(us / n, count / n, name) for us, count, name in top[:16]],
                      "hidden": hidden.float()}
     return out
 
 
-def lm_head_topk(model: Transformer):
-    """The step's end as the beam graph runs it: final norm, LM head, top-2W with log-sum-exp."""
-    from slm_kernels.vocab_topk import vocab_topk
-
-    return torch.compile(lambda hidden: vocab_topk(model.logits(hidden), 2 * WIDTH), dynamic=True, fullgraph=True)
-
-
-# --- the sweep: each decode projection alone ---------------------------------------------------------
-def tilings(op: str) -> list[dict]:
-    """decode_linear tilings the sweep tries for W2's op: a few around each kernel's default."""
-    t = dict(block_m=64, block_k=64, swap=False, num_stages=3)
-    swapped = dict(block_m=128, swap=True)
-    if op == "gate_up":
-        t.update(block_n=32, splits=1)
-        return [t, dict(t, block_k=128), dict(t, block_n=64), dict(t, num_stages=4), dict(t, splits=2),
-                dict(t, block_m=128), dict(t, **swapped), dict(t, **swapped, block_n=64), dict(t, **swapped, splits=2),
-                dict(t, **swapped, block_k=128)]
-    if op == "qkv":
-        t.update(block_k=128, splits=7)
-        return [t, dict(t, block_k=64, splits=14), dict(t, splits=4), dict(t, **swapped),
-                dict(t, **swapped, block_k=64, splits=14), dict(t, num_stages=2)]
-    splits = (7, 14) if op == "o" else (8, 19)
-    return [dict(t, block_n=bn, splits=sp, **extra) for bn in (32, 64) for sp in splits for extra in ({}, swapped)]
-
-
-SWEPT = {  # name: (op, out features, in features)
-    "qkv": ("norm_qkv_rope", W2.q_size + 2 * W2.kv_size, W2.hidden_size),
-    "o": ("linear_residual", W2.hidden_size, W2.q_size),
-    "gate_up": ("norm_gate_up_silu", 2 * W2.intermediate_size, W2.hidden_size),
-    "down": ("linear_residual", W2.hidden_size, W2.intermediate_size),
-}
-
-
-def sweep(rows_list: list[int], gbps: float) -> dict:
-    """Each decode projection of W2 alone at each row count: the separate kernels and decode_linear's
-    tilings, over 24 weights in turn (from HBM as in the graphs). Per case each variant's µs and
-    error against the separate kernels per row count."""
-    from slm_kernels import decode_linear
-
-    s, dev, dt = W2, "cuda", torch.bfloat16
-    separate = separate_decode(triton_ops(W2))
-    counters = torch.zeros(1 << 20, dtype=torch.int32, device=dev)
-    results = {}
-    for name, (op, n, k) in SWEPT.items():
-        weights = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(24)]
-        bias = torch.randn(n, device=dev, dtype=dt) * 0.02 if name == "qkv" else None
-        norm_w = torch.rand(k, device=dev, dtype=dt) + 0.5
-        compiled = torch.compile(getattr(separate, op), dynamic=True)
-        variants = {"separate kernels (cuBLAS)": compiled}
-        variants.update({json.dumps(t, sort_keys=True): functools.partial(getattr(decode_linear, op), **t)
-                         for t in tilings(name)})
-        case = results[name] = {"floor_us": n * k * 2 / gbps / 1e3, "variants": {}}
-        for rows in rows_list:
-            x = torch.randn(rows, k, device=dev, dtype=dt)
-            angles = torch.rand(rows, s.head_dim // 2, device=dev) * 100
-            cos, sin = (torch.cat([f(angles)] * 2, -1).to(dt) for f in (torch.cos, torch.sin))
-            res = torch.randn(rows, n, device=dev, dtype=dt)
-            before = {"norm_qkv_rope": lambda w: (x, norm_w, w, bias, cos, sin, s.num_heads, s.num_kv_heads, None,
-                                                  None, s.rms_norm_eps),
-                      "linear_residual": lambda w: (x, w, None, res),
-                      "norm_gate_up_silu": lambda w: (x, norm_w, w, None, s.rms_norm_eps)}[op]
-            ref = outputs(compiled(*before(weights[0]), counters=counters))
-            for label, fn in variants.items():
-                cell = case["variants"].setdefault(label, {})
-                try:
-                    err = max(((a.float() - b.float()).norm() / b.float().norm()).item()
-                              for a, b in zip(outputs(fn(*before(weights[0]), counters=counters)), ref))
-                    us = graph_ms(lambda: [fn(*before(w), counters=counters) for w in weights], calls=1)
-                    cell[rows] = {"us": us * 1e3 / len(weights), "rel_err": err}
-                except Exception as e:  # a tiling this GPU cannot run is reported, the sweep goes on
-                    cell[rows] = {"error": f"{type(e).__name__}: {e}"[:200]}
-        print_case(name, case, rows_list)
-    return results
-
-
-def outputs(value) -> tuple:
-    return value if isinstance(value, tuple) else (value,)
-
-
-def print_case(name: str, case: dict, rows_list: list[int]) -> None:
-    ranked = sorted(case["variants"].items(), key=lambda kv: total_us(kv[1], rows_list))
-    print(f"\n{name}: weight-read floor {case['floor_us']:.2f} us; us at rows {rows_list}")
-    for label, v in ranked:
-        cells = " ".join(f"{v[r]['us']:7.2f}" if "us" in v.get(r, {}) else "    err" for r in rows_list)
-        err = max((v[r].get("rel_err", 0) for r in rows_list if r in v), default=0)
-        print(f"  {cells}  err {err:.1e}  {label}")
-
-
-def total_us(variant: dict, rows_list: list[int]) -> float:
-    return sum(variant.get(r, {}).get("us", float("inf")) for r in rows_list)
-
-
-def best_tilings(results: dict, rows_list: list[int]) -> dict[str, dict]:
-    """Per projection, the tiling with the least time summed over the row counts (a graph takes one
-    for every row count)."""
-    return {name: json.loads(min((label for label in case["variants"] if not label.startswith("separate")),
-                                 key=lambda label: total_us(case["variants"][label], rows_list)))
-            for name, case in results.items()}
-
-
-def with_tilings(ops: Ops, best: dict[str, dict]) -> Ops:
-    """ops whose decode linears take these tilings (o and down told apart by their in features)."""
-    o, down = (functools.partial(ops.linear_residual, **best[n]) for n in ("o", "down"))
-    return ops._replace(
-        norm_qkv_rope=functools.partial(ops.norm_qkv_rope, **best["qkv"]),
-        linear_residual=lambda x, *args, **kw: (down if x.shape[1] == W2.intermediate_size else o)(x, *args, **kw),
-        norm_gate_up_silu=functools.partial(ops.norm_gate_up_silu, **best["gate_up"]))
+VARIANTS = {"bf16": lambda model: model, "fp8-static": fp8_static}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
     p.add_argument("--rows", default="100,200,400,800")
-    p.add_argument("--sweep", action="store_true", help="time each projection's tilings first, and run the best")
     args = p.parse_args()
     rows_list = [int(r) for r in args.rows.split(",")]
     torch._dynamo.config.cache_size_limit = 64
@@ -234,18 +135,11 @@ def main() -> None:
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "hbm_GB_per_s": gbps,
                "rows": rows_list, "variants": {}}
     print(f"HBM copy rate {gbps:.0f} GB/s")
-    variants = {"separate kernels": separate_decode(triton_ops(W2)), "decode_linear, default tilings": triton_ops(W2)}
-    if args.sweep:
-        results["sweep"] = sweep(rows_list, gbps)
-        results["best_tilings"] = best = best_tilings(results["sweep"], rows_list)
-        print("best tilings:", json.dumps(best))
-        variants["decode_linear, the sweep's tilings"] = with_tilings(triton_ops(W2), best)
     model = random_model()
-    head = lm_head_topk(model)
     reference: dict[int, torch.Tensor] = {}
-    for name, ops in variants.items():
+    for name, make in VARIANTS.items():  # in order: each variant may change the model in place
         try:
-            out = measure(model, rows_list, gbps, ops, head)
+            out = measure(make(model), rows_list, gbps)
         except Exception as e:  # a variant that does not compile or capture is reported, the rest go on
             results["variants"][name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
             print(f"\n{name}: {results['variants'][name]['error']}")
@@ -254,10 +148,10 @@ def main() -> None:
         for rows, r in out.items():
             hidden = r.pop("hidden")
             base = reference.setdefault(rows, hidden)
-            r["hidden_rel_err_vs_separate"] = ((hidden - base).norm() / base.norm()).item()
+            r["hidden_rel_err_vs_bf16"] = ((hidden - base).norm() / base.norm()).item()
             print(f"  {rows:4d} rows: layer-step {r['layer_us']:6.2f} us in {r['layer_kernels']:5.2f} kernels "
                   f"(floor {r['layer_floor_us']:.2f}); whole step {r['step_us']:7.1f} us in {r['step_kernels']:6.1f} "
-                  f"kernels (floor {r['step_floor_us']:.1f}); hidden vs separate {r['hidden_rel_err_vs_separate']:.1e}")
+                  f"kernels (floor {r['step_floor_us']:.1f}); hidden vs bf16 {r['hidden_rel_err_vs_bf16']:.1e}")
         for us, count, kname in out[rows_list[0]]["kernels_per_layer_us"]:
             print(f"      {us:6.2f} us {count:5.2f}x  {kname}")
         results["variants"][name] = out

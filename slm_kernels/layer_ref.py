@@ -1,10 +1,9 @@
 """Pure-PyTorch references of the per-layer steps between the GEMMs: RMSNorm; splitting the fused
 QKV rows into heads, RMS-normalising q and k per head (Qwen3's QK-norm) and rotating them (RoPE);
 SiLU(gate) * up, and that quantised to E4M3 with one static scale (fp8-static's down-projection
-input); a decode step's projections with the work around them (norm_qkv_rope_ref,
-linear_residual_ref, norm_gate_up_silu_ref). They define the interfaces slm_kernels/qkv_rope.py,
-slm_kernels/silu_mul.py and slm_kernels/decode_linear.py implement, and are the path the reference
-graphs run. The arithmetic is transformers': RMSNorm normalises in
+input). They
+define the interfaces slm_kernels/qkv_rope.py and slm_kernels/silu_mul.py implement, and are the path the
+reference graphs run. The arithmetic is transformers': RMSNorm normalises in
 FP32, rounds to the model dtype and scales by the weight in the model dtype; RoPE is
 q * cos + rotate_half(q) * sin in the model dtype; the MLP is silu(gate) * up in the model dtype.
 """
@@ -47,33 +46,6 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up: [T, 2I], gate then up (the fused gate/up projection). Returns silu(gate) * up [T, I]."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-def norm_qkv_rope_ref(
-    x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
-    sin: torch.Tensor, heads: int, kv_heads: int, q_weight: torch.Tensor | None = None,
-    k_weight: torch.Tensor | None = None, eps: float = 1e-6, counters: torch.Tensor | None = None,
-    qkv_rope=qkv_rope_ref,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """RMSNorm, the fused QKV projection, then qkv_rope (qkv_rope_ref or a kernel of its interface):
-    a layer's attention input from its residual stream x [T, hidden]. counters: the kernels'
-    scratch (slm_kernels.decode_linear), not used here."""
-    return qkv_rope(F.linear(rms_norm_ref(x, norm_weight, eps), weight, bias), cos, sin, heads, kv_heads, q_weight,
-                    k_weight, eps)
-
-
-def linear_residual_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-                        counters: torch.Tensor | None = None) -> torch.Tensor:
-    """residual + x @ weight^T (+ bias), the projection rounded to the model dtype before the add."""
-    return residual + F.linear(x, weight, bias)
-
-
-def norm_gate_up_silu_ref(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
-                          bias: torch.Tensor | None, eps: float, counters: torch.Tensor | None = None,
-                          silu_mul=silu_mul_ref) -> torch.Tensor:
-    """RMSNorm, the fused gate/up projection, then silu_mul (silu_mul_ref or a kernel of its
-    interface): [T, hidden] -> [T, I]."""
-    return silu_mul(F.linear(rms_norm_ref(x, norm_weight, eps), weight, bias))
 
 
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn

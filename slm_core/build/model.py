@@ -7,15 +7,13 @@ and each own a suffix K/V (`[B*W, S, kv_heads, d]`). The module knows nothing of
 quantisation.
 """
 
-import functools
 from typing import Callable, Mapping, NamedTuple
 
 import torch
 from torch import nn
 
 from slm_kernels import packed_attention_ref, prefix_suffix_attention_ref, sequence_of_tokens
-from slm_kernels.layer_ref import (linear_residual_ref, norm_gate_up_silu_ref, norm_qkv_rope_ref, qkv_rope_ref,
-                                   rms_norm_ref, silu_mul_ref)
+from slm_kernels.layer_ref import qkv_rope_ref, rms_norm_ref, silu_mul_ref
 from slm_core.errors import SpecError
 from slm_core.spec import ModelSpec
 
@@ -34,47 +32,28 @@ class RMSNorm(nn.Module):
 
 class Ops(NamedTuple):
     """The per-layer ops a model runs: the PyTorch references (REFERENCE_OPS) or the Triton kernels
-    that implement them (triton_ops()); same signatures. The last three are a decode step's
-    linears with the work around them; `counters` is scratch the Triton kernels share (zeroed,
-    left zeroed: slm_kernels.decode_linear), which the references ignore."""
+    that implement them (triton_ops()); same signatures."""
 
     packed_attention: Callable  # (q, k, v, cu_seqlens, scale, max_seqlen) -> o
     prefix_attention: Callable  # (q, k_prefix, v_prefix, k_suffix, v_suffix, scale, prefix_cu) -> o
     qkv_rope: Callable  # (qkv, cos, sin, heads, kv_heads, q_weight, k_weight, eps) -> q, k, v
     silu_mul: Callable  # (gate_up) -> silu(gate) * up
-    norm_qkv_rope: Callable  # (x, norm_w, w, b, cos, sin, heads, kv_heads, q_w, k_w, eps, counters) -> q, k, v
-    linear_residual: Callable  # (x, w, b, residual, counters) -> residual + x @ w^T + b
-    norm_gate_up_silu: Callable  # (x, norm_w, w, b, eps, counters) -> silu(gate) * up of rms_norm(x) @ w^T + b
 
 
 REFERENCE_OPS = Ops(
     lambda q, k, v, cu_seqlens, scale, max_seqlen: packed_attention_ref(q, k, v, cu_seqlens, scale),
-    prefix_suffix_attention_ref, qkv_rope_ref, silu_mul_ref, norm_qkv_rope_ref, linear_residual_ref,
-    norm_gate_up_silu_ref,
+    prefix_suffix_attention_ref, qkv_rope_ref, silu_mul_ref,
 )
 
 
-def separate_decode(ops: Ops) -> Ops:
-    """ops whose decode projections run as the prefill's do: the projection (cuBLAS on CUDA), and
-    the norm, QK-norm + RoPE, SiLU * up and residual add as ops of their own."""
-    return ops._replace(norm_qkv_rope=functools.partial(norm_qkv_rope_ref, qkv_rope=ops.qkv_rope),
-                        linear_residual=linear_residual_ref,
-                        norm_gate_up_silu=functools.partial(norm_gate_up_silu_ref, silu_mul=ops.silu_mul))
-
-
-def triton_ops(spec: ModelSpec) -> Ops:
-    """The Triton ops (imported only when asked for: triton is optional on CPU); the decode
-    projections as separate ops where the model's shapes do not fit slm_kernels.decode_linear."""
-    from slm_kernels import decode_linear
+def triton_ops() -> Ops:
+    """The Triton ops (imported only when asked for: triton is optional on CPU)."""
     from slm_kernels.packed_attention import packed_attention
     from slm_kernels.prefix_attention import prefix_suffix_attention
     from slm_kernels.qkv_rope import qkv_rope
     from slm_kernels.silu_mul import silu_mul
 
-    ops = Ops(packed_attention, prefix_suffix_attention, qkv_rope, silu_mul, decode_linear.norm_qkv_rope,
-              decode_linear.linear_residual, decode_linear.norm_gate_up_silu)
-    fits = decode_linear.fits(spec.hidden_size, spec.q_size, spec.intermediate_size, spec.head_dim)
-    return ops if fits else separate_decode(ops)
+    return Ops(packed_attention, prefix_suffix_attention, qkv_rope, silu_mul)
 
 
 class Attention(nn.Module):
@@ -111,20 +90,11 @@ class Attention(nn.Module):
 
     def decode(self, x, cos, sin, prefix: KV, prefix_cu, suffix: KV | None) -> tuple[torch.Tensor, KV]:
         q, k, v = self.project(x, cos, sin)  # one new token per beam: [B*W, H, D]
-        k, v = grow(suffix, k, v)
-        return self.o(self.attend(q, prefix, prefix_cu, (k, v)).flatten(1)), (k, v)
-
-    def attend(self, q, prefix: KV, prefix_cu, suffix: KV) -> torch.Tensor:
-        """A decode step's attention: q [B*W, H, D] over its prompt's K/V and its own suffix."""
-        return self.ops.prefix_attention(q, prefix[0], prefix[1], suffix[0], suffix[1], self.scale, prefix_cu)
-
-
-def grow(suffix: KV | None, k: torch.Tensor, v: torch.Tensor) -> KV:
-    """The beams' suffix K/V [B*W, S, Hkv, D] with this step's k, v [B*W, Hkv, D] appended."""
-    k, v = k[:, None], v[:, None]  # [B*W, 1, Hkv, D]
-    if suffix is None:
-        return k, v
-    return torch.cat([suffix[0], k], dim=1), torch.cat([suffix[1], v], dim=1)
+        k, v = k[:, None], v[:, None]  # [B*W, 1, Hkv, D]
+        if suffix is not None:
+            k, v = torch.cat([suffix[0], k], dim=1), torch.cat([suffix[1], v], dim=1)
+        o = self.ops.prefix_attention(q, prefix[0], prefix[1], k, v, self.scale, prefix_cu)
+        return self.o(o.flatten(1)), (k, v)
 
 
 class MLP(nn.Module):
@@ -145,7 +115,6 @@ class Block(nn.Module):
         self.attn = Attention(spec, ops, max_seqlen)
         self.post_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec, ops.silu_mul)
-        self.ops = ops
 
     def run(self, x: torch.Tensor, attend: Callable[[torch.Tensor], tuple[torch.Tensor, KV]],
             rows: torch.Tensor | None = None):
@@ -163,32 +132,13 @@ class Block(nn.Module):
         x = x + a
         return x + self.mlp(self.post_norm(x)), kv
 
-    def decode(self, x: torch.Tensor, cos, sin, prefix: KV, prefix_cu, suffix: KV | None,
-               counters: torch.Tensor) -> tuple[torch.Tensor, KV]:
-        """One decode step of the block over the beams' x [B*W, hidden]: four ops around the
-        attention, each projection with the norm before it and the activation or residual add
-        after it. fp8-static's projections are modules of their own (slm_core.build.fp8): they run
-        as the prefill does."""
-        a, mlp, s = self.attn, self.mlp, self.attn.spec
-        if any(type(m) is not nn.Linear for m in (a.qkv, a.o, mlp.gate_up, mlp.down)):
-            return self.run(x, lambda h: a.decode(h, cos, sin, prefix, prefix_cu, suffix))
-        norms = (a.q_norm.weight, a.k_norm.weight) if a.q_norm is not None else (None, None)
-        q, k, v = self.ops.norm_qkv_rope(x, self.input_norm.weight, a.qkv.weight, a.qkv.bias, cos, sin, s.num_heads,
-                                         s.num_kv_heads, *norms, s.rms_norm_eps, counters=counters)
-        kv = grow(suffix, k, v)
-        x = self.ops.linear_residual(a.attend(q, prefix, prefix_cu, kv).flatten(1), a.o.weight, a.o.bias, x,
-                                     counters=counters)
-        h = self.ops.norm_gate_up_silu(x, self.post_norm.weight, mlp.gate_up.weight, mlp.gate_up.bias, s.rms_norm_eps,
-                                       counters=counters)
-        return self.ops.linear_residual(h, mlp.down.weight, mlp.down.bias, x, counters=counters), kv
-
 
 class Transformer(nn.Module):
     def __init__(self, spec: ModelSpec, max_positions: int, kernels: str = "reference"):
         super().__init__()
         self.spec = spec
         self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        ops = triton_ops(spec) if kernels == "triton" else REFERENCE_OPS
+        ops = triton_ops() if kernels == "triton" else REFERENCE_OPS
         self.layers = nn.ModuleList(Block(spec, ops, max_positions) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
@@ -254,19 +204,12 @@ class Transformer(nn.Module):
         decode. Returns hidden [B*W, hidden] and the suffixes grown by this token ([B*W, S+1, Hkv, D])."""
         x = self.embed(input_ids)
         cos, sin = self._rope(positions, x.dtype)
-        counters = torch.zeros(self.counters_needed(x.shape[0]), dtype=torch.int32, device=x.device)
         grown = []
         for i, layer in enumerate(self.layers):
-            x, kv = layer.decode(x, cos, sin, prefix[i], prefix_cu, None if suffix is None else suffix[i], counters)
+            past = None if suffix is None else suffix[i]
+            x, kv = layer.run(x, lambda h, a=layer.attn, p=prefix[i]: a.decode(h, cos, sin, p, prefix_cu, past))
             grown.append(kv)
         return x, grown
-
-    def counters_needed(self, rows: int) -> int:
-        """The decode kernels' split-K counters for `rows` beams: one per tile of at least 16 rows
-        and at least 16 weight rows (slm_kernels.decode_linear), zeroed once per step."""
-        s = self.spec
-        tiles = max(s.num_heads + 2 * s.num_kv_heads, s.hidden_size // 16, s.intermediate_size // 16)
-        return (rows + 15) // 16 * tiles
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden))

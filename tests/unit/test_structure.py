@@ -22,33 +22,17 @@ def qwen3(random_checkpoint):
 
 
 def rows_seen_by_linears(model: torch.nn.Module, run) -> dict[str, list[int]]:
-    """Per linear, the rows of each input it multiplies while `run` runs: as a module, or by its
-    weight through a decode step's ops (each projection with the work around it)."""
     seen: dict[str, list[int]] = {}
-    linears = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    by_weight = {m.weight: name for name, m in linears.items()}
-
-    def recorded(op, weight_at: int):
-        def call(x, *args, **kwargs):
-            seen.setdefault(by_weight[args[weight_at - 1]], []).append(x.shape[0])
-            return op(x, *args, **kwargs)
-        return call
-
-    hooks = [m.register_forward_pre_hook(lambda mod, args, name=name: seen.setdefault(name, []).append(args[0].shape[0]))
-             for name, m in linears.items()]
-    blocks = [m for m in model.modules() if isinstance(m, slm_core.build.model.Block)]
-    ops = [block.ops for block in blocks]
-    for block in blocks:
-        block.ops = block.ops._replace(norm_qkv_rope=recorded(block.ops.norm_qkv_rope, 2),
-                                       linear_residual=recorded(block.ops.linear_residual, 1),
-                                       norm_gate_up_silu=recorded(block.ops.norm_gate_up_silu, 2))
+    hooks = [
+        m.register_forward_pre_hook(lambda mod, args, name=name: seen.setdefault(name, []).append(args[0].shape[0]))
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear)
+    ]
     try:
         run()
     finally:
         for h in hooks:
             h.remove()
-        for block, original in zip(blocks, ops):
-            block.ops = original
     return seen
 
 

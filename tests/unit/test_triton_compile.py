@@ -14,18 +14,15 @@ HOPPER = GPUTarget("cuda", 90, 32)
 FLOATS = ("scale", "eps")  # the kernels' float arguments; every other non-pointer one is an int
 
 
-def compile_for_hopper(kernel, constants: dict, pointers: dict | None = None, float_type: str = "fp32",
-                       aligned: tuple[str, ...] = ()) -> dict:
+def compile_for_hopper(kernel, constants: dict, pointers: dict | None = None, float_type: str = "fp32") -> dict:
     """kernel compiled for sm_90 with these constexprs; pointers: a type per pointer argument
-    other than bf16 (by name); aligned: arguments known to be multiples of 16 (pointers of 16
-    bytes), as a launch with such values specialises them. Returns the stages' code (ttir ... cubin)."""
+    other than bf16 (by name). Returns the stages' code (ttir ... cubin)."""
     pointers = pointers or {}
     signature = {name: "constexpr" if name in constants else pointers.get(name, "*bf16") if name.endswith("_ptr")
                  else float_type if name in FLOATS else "i32" for name in kernel.arg_names}
     names = list(signature)
     source = ASTSource(fn=kernel, signature=signature,
-                       constexprs={(names.index(name),): value for name, value in constants.items()},
-                       attrs={(names.index(name),): [["tt.divisibility", 16]] for name in aligned})
+                       constexprs={(names.index(name),): value for name, value in constants.items()})
     return triton.compile(source, target=HOPPER).asm
 
 
@@ -69,33 +66,3 @@ def test_vocab_topk_compiles_for_hopper():
 
     stats = {"bmax_ptr": "*fp32", "bsum_ptr": "*fp32"}
     assert compile_for_hopper(_group_max_pass, dict(GROUP=32, GROUPS=64), stats)["cubin"]  # the graphs' group
-
-
-@pytest.mark.parametrize("hidden, heads, head_dim, inner, norm", [(896, (14, 2), 64, 4864, False),
-                                                                  (1024, (16, 8), 128, 3072, True),
-                                                                  (576, (9, 3), 64, 1536, False)])
-def test_decode_linear_compiles_for_hopper_with_streamed_weights(hidden, heads, head_dim, inner, norm):
-    """The decode projections at their default tilings for Qwen2.5-0.5B, Qwen3-0.6B and SmolLM2:
-    Hopper's warp-group MMA, and every K loop's loads staged through shared memory asynchronously
-    (cp.async), several tiles in flight, where the weights' rows are 16-byte aligned, as a model's
-    are. The row count is never specialised on (one binary serves every batch)."""
-    from slm_kernels import decode_linear as dl
-
-    def tiling(op) -> dict:
-        defaults = {a.name: a.default_value for a in op._opoverload._schema.arguments}
-        k = defaults["block_k"]
-        return dict(BM=defaults["block_m"], BK=k if hidden % k == 0 else k // 2, SPLITS=defaults["splits"], SWAP=False,
-                    PRECISION="tf32")
-
-    scratch = {"ws_ptr": "*fp32", "cnt_ptr": "*i32"}
-    aligned_of = lambda kernel: tuple(n for n in kernel.arg_names if n.endswith(("_ptr", "K", "inner")) or  # noqa: E731
-                                      n.startswith("stride"))
-    cases = [(dl._norm_qkv_rope_kernel, dict(tiling(dl.norm_qkv_rope), HEADS=heads[0], KV_HEADS=heads[1],
-                                             HEAD_DIM=head_dim, BIAS=not norm, QK_NORM=norm)),
-             (dl._linear_residual_kernel, dict(tiling(dl.linear_residual), BN=64, BIAS=False)),
-             (dl._norm_gate_up_silu_kernel, dict(tiling(dl.norm_gate_up_silu), BN=32, BIAS=False))]
-    for kernel, constants in cases:
-        asm = compile_for_hopper(kernel, constants, scratch, aligned=aligned_of(kernel))
-        assert "wgmma.mma_async" in asm["ptx"], kernel.fn.__name__
-        assert asm["ttgir"].count("async_copy_global_to_local") >= 2, kernel.fn.__name__
-        assert list(kernel.do_not_specialize) == ["rows"], kernel.fn.__name__

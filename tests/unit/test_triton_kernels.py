@@ -168,54 +168,6 @@ def test_silu_mul_matches_reference_in_interpreter():
     assert len(errors) == len(cases) and max(errors) < 1e-5, errors
 
 
-DECODE_LINEAR_CHECK = r"""
-import json, sys, torch
-from slm_kernels.decode_linear import linear_residual, norm_gate_up_silu, norm_qkv_rope
-from slm_kernels.layer_ref import linear_residual_ref, norm_gate_up_silu_ref, norm_qkv_rope_ref
-out = []
-for rows, k, n, heads, tiling, extras in json.loads(sys.argv[1]):
-    torch.manual_seed(rows + k)
-    x, g, cnt = torch.randn(rows, k), torch.rand(k) + 0.5, torch.zeros(4096, dtype=torch.int32)
-    bias = lambda m: torch.randn(m) if "bias" in extras else None
-    def err(got, want):
-        return max(((a - b).norm() / b.norm()).item() for a, b in zip(got, want))
-    w, b, res = torch.randn(n, k) / k ** 0.5, bias(n), torch.randn(rows, n)
-    lin = err([linear_residual(x, w, b, res, cnt, **tiling)], [linear_residual_ref(x, w, b, res)])
-    w, b = torch.randn(2 * n, k) / k ** 0.5, bias(2 * n)
-    gu = err([norm_gate_up_silu(x, g, w, b, 1e-6, cnt, **tiling)], [norm_gate_up_silu_ref(x, g, w, b, 1e-6)])
-    hq, hkv, d = heads
-    w, b = torch.randn((hq + 2 * hkv) * d, k) / k ** 0.5, bias((hq + 2 * hkv) * d)
-    angles = torch.rand(rows, d // 2) * 6
-    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-    qk = (torch.rand(d) + 0.5, torch.rand(d) + 0.5) if "qk_norm" in extras else (None, None)
-    tiling.pop("block_n", None)
-    got = norm_qkv_rope(x, g, w, b, cos, sin, hq, hkv, *qk, 1e-6, cnt, **tiling)
-    want = norm_qkv_rope_ref(x, g, w, b, cos, sin, hq, hkv, *qk, 1e-6)
-    shapes = all(a.shape == c.shape and a.is_contiguous() for a, c in zip(got, want))
-    out.append({"linear_residual": lin, "norm_gate_up_silu": gu, "norm_qkv_rope": err(got, want), "shapes": shapes,
-                "counters_zero": int(cnt.abs().sum()) == 0})
-print(json.dumps(out))
-"""
-
-DECODE_LINEAR_CASES = [  # rows, K, N, (q heads, kv heads, head dim), tiling, extras
-    (1, 64, 32, (2, 1, 16), dict(block_m=16, block_n=16, block_k=16, splits=1), ["bias"]),  # one row, no split
-    (37, 128, 64, (3, 1, 32), dict(block_m=16, block_n=32, block_k=32, splits=3), ["qk_norm"]),  # rows past a tile
-    (37, 128, 64, (3, 1, 32), dict(block_m=32, block_n=32, block_k=32, splits=2, swap=True), ["bias", "qk_norm"]),
-    (70, 96, 48, (4, 2, 16), dict(block_m=32, block_n=64, block_k=128, splits=8), ["bias"]),  # tiles cut to fit 96, 48
-    (20, 192, 64, (2, 2, 64), dict(block_m=16, block_n=32, block_k=64, splits=2), []),  # a split of one block
-]
-
-
-def test_decode_linear_matches_reference_in_interpreter():
-    """The decode projections with their norm, RoPE, SiLU and residual (slm_kernels.decode_linear)
-    against their references: split-K over several slices and none, rows in several tiles and fewer
-    than one, the weight rows on the dot's M side (swap), biases, QK-norm, tiles cut down to divide
-    K and N; every counter left at zero."""
-    for r in run_check(DECODE_LINEAR_CHECK, DECODE_LINEAR_CASES):
-        assert r["shapes"] and r["counters_zero"], r
-        assert max(r["linear_residual"], r["norm_gate_up_silu"], r["norm_qkv_rope"]) < 1e-5, r
-
-
 TOPK_CHECK = r"""
 import json, sys, torch
 from slm_kernels.vocab_topk import vocab_topk
