@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from archiver.build import BuildConfig, build, catalog, configure
-    from slm_core.build.checks import GateThresholds
+    from slm_core.compile.checks import GateThresholds
     from slm_core.serving import ServingOptions
 
     try:

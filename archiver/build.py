@@ -19,9 +19,9 @@ from typing import Any, Mapping
 
 import yaml
 
-from slm_core.build.checkpoint import load_checkpoint
-from slm_core.build.checks import GateThresholds
-from slm_core.build.package import build_package
+from slm_core.compile.checkpoint import load_checkpoint
+from slm_core.compile.checks import GateThresholds
+from slm_core.compile.package import build_package
 from slm_core.errors import SpecError
 from slm_core.manifest import MANIFEST, check_format
 from slm_core.serving import ServingOptions, ServingSpec, plan

@@ -8,7 +8,7 @@ the model package is too large to carry, so make it here and carry bench/assets 
 from pathlib import Path
 
 from handlers.demo import smollm2
-from slm_core.build.checkpoint import load_checkpoint
+from slm_core.compile.checkpoint import load_checkpoint
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 

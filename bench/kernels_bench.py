@@ -25,7 +25,7 @@ from slm_kernels.qkv_rope import qkv_rope
 from slm_kernels.layer_ref import qkv_rope_ref, silu_mul_ref
 from slm_kernels.silu_mul import silu_mul
 from slm_kernels.vocab_topk import vocab_topk
-from slm_core.build.beam_graph import places, top
+from slm_core.compile.beam_graph import places, top
 
 
 def median_ms(fn, iters: int = 50) -> float:

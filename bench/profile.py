@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 
 from bench.workloads import WORKLOADS, TextMaker
 from slm_core import manifest
-from slm_core.build.checks import time_calls
+from slm_core.compile.checks import time_calls
 from slm_core.serve.loader import load_package
 from slm_core.serve.protocol import Request, respond_batch
 

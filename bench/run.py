@@ -31,7 +31,7 @@ from bench import flops
 from bench.loadgen import measure, sweep
 from bench.workloads import WORKLOADS, TextMaker, Workload, catalog_items
 from handlers.local_server import TorchServe, http
-from slm_core.build.checks import GateThresholds
+from slm_core.compile.checks import GateThresholds
 from slm_core.serve.loader import mps_running
 from slm_core.serving import ServingOptions, ServingSpec
 from slm_core.spec import ModelSpec, TaskSpec
@@ -489,7 +489,7 @@ def plan(args, work: Path):
     made with and its architecture (for FLOPs)."""
     if args.smoke:
         from handlers.demo import TASKS, smollm2
-        from slm_core.build.checkpoint import load_checkpoint
+        from slm_core.compile.checkpoint import load_checkpoint
 
         gguf = Path(smollm2())
         ckpt = load_checkpoint(gguf)

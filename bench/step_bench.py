@@ -16,7 +16,7 @@ Variants:
 - "bf16": the graphs' decode (the Triton attention, QK-norm + RoPE and SiLU * up kernels,
   cuBLAS projections);
 - "fp8-static": the same with qkv, gate/up and down in E4M3 with one scale per tensor
-  (slm_core.build.fp8), the input scales calibrated on the bench's own inputs.
+  (slm_core.compile.fp8), the input scales calibrated on the bench's own inputs.
 A candidate joins as another variant: a function of the bf16 model that returns the model to time.
 
     python -m bench.step_bench --out FILE.json [--rows 100,200,400,800]
@@ -28,8 +28,8 @@ import json
 import torch
 
 from bench.kernels_bench import graph_ms
-from slm_core.build.fp8 import calibrate, quantize_linears
-from slm_core.build.model import Transformer
+from slm_core.compile.fp8 import calibrate, quantize_linears
+from slm_core.compile.model import Transformer
 from slm_core.spec import ModelSpec, RopeSpec
 
 WIDTH, PROMPT, SUFFIX = 100, 88, 2  # W2: W = 100, prompts of 48-128 tokens; the third of 5 new tokens

@@ -1,4 +1,4 @@
-"""slm_core: the engine. Specs and tasks (shared), build/ (checkpoint import, model, graphs,
+"""slm_core: the engine. Specs and tasks (shared), compile/ (checkpoint import, model, graphs,
 export, checks), serve/ (loading, the runtime, CUDA-graph replay, the protocol). A worker imports
 serve-time modules only; `Engine` (the Python API) joins both, and is imported on first use."""
 

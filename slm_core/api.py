@@ -14,8 +14,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from slm_core.build.checkpoint import load_checkpoint
-from slm_core.build.eager import eager_engine
+from slm_core.compile.checkpoint import load_checkpoint
+from slm_core.compile.eager import eager_engine
 from slm_core.serve import engine
 from slm_core.serve.loader import load_package
 from slm_core.spec import RuntimeSpec, TaskSpec

@@ -6,7 +6,7 @@ for it (a semantic ID, a title), as a prefix trie flattened into fixed-layout ar
 
 The trie is stored level by level: level d holds the edges from the nodes at depth d to those at
 depth d+1, and the node an edge leads to is numbered by the edge (the root is node 0 of depth 0).
-Per level, for the graph (slm_core.build.catalog_graph):
+Per level, for the graph (slm_core.compile.catalog_graph):
 - `first` [nodes + 1] int32: node u's children are the edges first[u] .. first[u+1]-1, sorted by
   token (CSR);
 - `edges` [edges, 3] int32: the edge's token as an index into `vocab`, the item its node completes

@@ -1,7 +1,7 @@
 """Logical matrix FLOPs, as the MFU formula counts them: linear layers, the LM head (only the rows
 actually computed) and attention (QKᵀ and PV, causal pairs only), 2 FLOPs per multiply-add;
 nothing else. A prefill's last layer runs its o-projection and MLP at each sequence's last token
-only, whose query alone attends (slm_core.build.model): only those rows are counted. The tasks
+only, whose query alone attends (slm_core.compile.model): only those rows are counted. The tasks
 count their requests with these (Task.flops)."""
 
 from slm_core.spec import ModelSpec

@@ -108,7 +108,7 @@ def plan(options: ServingOptions, device: str, max_batch: int, call_ms: dict[str
     """The deployment for `options`, the defaults taken for what they leave open: on CUDA
     WORKERS_PER_GPU sync workers per GPU splitting max_batch between them, and the queue for the
     deadline (DEFAULT_DEADLINE_MS unless given); CPU builds one worker and CPU_QUEUE unless given
-    a deadline. `call_ms`: the build's call timings (slm_core.build.checks.time_calls). Returns
+    a deadline. `call_ms`: the build's call timings (slm_core.compile.checks.time_calls). Returns
     the spec and a line saying how the queue was sized."""
     cuda = device.startswith("cuda")
     gpus = len(options.device_ids) or 1

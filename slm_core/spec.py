@@ -14,7 +14,7 @@ import yaml
 from slm_core.errors import SpecError
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
-# precision -> the model's dtype; fp8-static keeps bf16 outside its E4M3 linears (slm_core.build.fp8)
+# precision -> the model's dtype; fp8-static keeps bf16 outside its E4M3 linears (slm_core.compile.fp8)
 PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp8-static": "bfloat16"}
 
 
@@ -153,7 +153,7 @@ class TaskSpec:
     dims: int | None = None
     normalize: bool = False
     # head: mlp: a safetensors file (relative to the task YAML) holding an MLP over that embedding
-    # (slm_core.build.mlp_head says its layout); its output row per text, as a classifier's.
+    # (slm_core.compile.mlp_head says its layout); its output row per text, as a classifier's.
     mlp: str | None = None
     # Special tokens spelled in a request's text are tokenized as plain text unless this is true
     # (slm_core.tokenizer): only the template's own are matched.

@@ -1,5 +1,5 @@
 """SiLU(gate) * up in one Triton kernel, and its wrapper. Reference: slm_kernels.layer_ref.silu_mul_ref.
-For fp8-static (slm_core.build.fp8), silu_mul_static also quantises it to E4M3 with one scale
+For fp8-static (slm_core.compile.fp8), silu_mul_static also quantises it to E4M3 with one scale
 fixed at build, so the [T, I] product is never written in the model dtype (reference:
 kernels.layer_ref.silu_mul_static_ref).
 

@@ -40,7 +40,7 @@ def smollm2():
     """(gguf path, our Checkpoint, HF model fp32, HF tokenizer) for the embedded SmolLM2."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from slm_core.build.checkpoint import load_checkpoint
+    from slm_core.compile.checkpoint import load_checkpoint
 
     path = smollm2_path()
     folder, name = os.path.split(path)

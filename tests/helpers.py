@@ -6,7 +6,7 @@ import json
 import torch
 
 from slm_core.api import Engine
-from slm_core.build.eager import eager_engine
+from slm_core.compile.eager import eager_engine
 from slm_core.spec import RuntimeSpec, TaskSpec
 
 GENERATE = dict(do_sample=False, early_stopping=True, length_penalty=0.0)

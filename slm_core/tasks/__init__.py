@@ -1,6 +1,6 @@
 """The kinds of task, one module each (slm_core.tasks.base says what a task owns). A task YAML's
 `task` and `head` keys name the kind; adding a kind adds a module here and its graph builder
-(slm_core.build.graphs), not handler or runtime code."""
+(slm_core.compile.graphs), not handler or runtime code."""
 
 from dataclasses import replace
 

@@ -6,7 +6,7 @@ signature, the CPU node that turns the graph's outputs into answers, and how ans
 (compiled against eager, FP8 against bf16) and counted (FLOPs). Engine, protocol, replay, package
 and bench code go through this interface; they never ask which kind a task is.
 
-A task's graph is built by the build half (slm_core.build.graphs.GRAPHS[task.graph]): a worker
+A task's graph is built by the build half (slm_core.compile.graphs.GRAPHS[task.graph]): a worker
 runs the compiled graph and never imports it.
 """
 
@@ -58,7 +58,7 @@ class Task(ABC):
     api: ClassVar[str]  # the Engine method of the Python API that runs it
     field: ClassVar[str]  # the request body's one required field
     placeholder: ClassVar[str]  # replaced by the request's text in the template
-    graph: ClassVar[str]  # its graph builder (slm_core.build.graphs.GRAPHS)
+    graph: ClassVar[str]  # its graph builder (slm_core.compile.graphs.GRAPHS)
     answer: ClassVar[tuple[str, ...]]  # the REST answer's fields
     # Whether a CUDA-graph bucket may add padding sequences (slm_core.serve.replay): they cost a
     # prefill's rows, or, for a beam, its W beams at every step.

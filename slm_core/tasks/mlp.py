@@ -1,6 +1,6 @@
 """Score with a user's MLP head: per text, the embedding that head: embedding answers (the last
 token's hidden state after the final norm, FP32, cut to `dims`, L2-normalised if `normalize`), fed
-to an MLP read from the safetensors file the task names (`mlp`; slm_core.build.mlp_head says its
+to an MLP read from the safetensors file the task names (`mlp`; slm_core.compile.mlp_head says its
 layout), run in FP32 inside the compiled graph. Its output row per text is answered as a
 classifier's: softmax over the row (`output: probs`) or the row itself (`logits`), with the
 output names from the task's labels, else the file's, else LABEL_i (resolved at build). FLOPs

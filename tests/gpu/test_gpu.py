@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from helpers import engine_for, hf_score, text_ids
-from slm_core.build.checkpoint import load_checkpoint
-from slm_core.build.checks import GateThresholds, fp8_gate
-from slm_core.build.export import compile_package, export_graph
+from slm_core.compile.checkpoint import load_checkpoint
+from slm_core.compile.checks import GateThresholds, fp8_gate
+from slm_core.compile.export import compile_package, export_graph
 from slm_core.spec import RuntimeSpec
 from slm_core import Engine
 
@@ -273,7 +273,7 @@ def test_fp8_static_graphs_bf16_on_cuda(random_checkpoint):
     kernels: StaticFp8Linear at the W1 gate/up shape is the product of its operands on cuBLAS; the
     score and beam graphs pass the accuracy gate against bf16 and export."""
     from slm_kernels.layer_ref import quantize_static_ref
-    from slm_core.build.fp8 import StaticFp8Linear
+    from slm_core.compile.fp8 import StaticFp8Linear
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(1024, 6144, device="cuda").bfloat16()
@@ -397,7 +397,7 @@ def test_cuda_catalog_beam_triton_and_export(random_checkpoint, tmp_path):
     import random
 
     from helpers import write_catalog
-    from slm_core.build.checks import check_compiled
+    from slm_core.compile.checks import check_compiled
 
     ckpt = load_checkpoint(random_checkpoint("qwen2")[0])
     rng = random.Random(0)

@@ -122,7 +122,7 @@ SERVE_WITHOUT_BUILD = """
 import importlib.abc, json, sys
 class Refuse(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("slm_kernels", "transformers", "gguf") or name.startswith(("slm_core.build", "slm_core.api")):
+        if name.split(".")[0] in ("slm_kernels", "transformers", "gguf") or name.startswith(("slm_core.compile", "slm_core.api")):
             raise ImportError(f"{name} is build-time: a worker must not import it")
 sys.meta_path.insert(0, Refuse())
 model_dir, tests = sys.argv[1], sys.argv[2]
@@ -140,7 +140,7 @@ print(json.dumps({"status": ctx.status[0][0], "body": out[0].decode(),
 
 def test_a_worker_serves_with_the_build_time_modules_unimportable(archives, tmp_path):
     """As TorchServe runs it, from the unpacked archive: the handler loads the package and answers
-    a request while slm_core.build, slm_core.api, slm_kernels, transformers and gguf cannot be
+    a request while slm_core.compile, slm_core.api, slm_kernels, transformers and gguf cannot be
     imported (the compiled graph replaces the Python model); the answer equals the package's."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     run = subprocess.run([sys.executable, "-c", SERVE_WITHOUT_BUILD, str(archives["tiny_beam"]),
@@ -148,7 +148,7 @@ def test_a_worker_serves_with_the_build_time_modules_unimportable(archives, tmp_
     assert run.returncode == 0, run.stderr[-3000:]
     served = json.loads(run.stdout.splitlines()[-1])
     assert served["status"] == 200
-    assert not [m for m in served["modules"] if m.startswith(("slm_core.build", "slm_core.api"))]
+    assert not [m for m in served["modules"] if m.startswith(("slm_core.compile", "slm_core.api"))]
     assert "slm_core.serve.engine" in served["modules"] and "slm_core.tasks.beam" in served["modules"]
     expected = load_package(archives["tiny_beam"], engine=Engine).beam("a small language model")
     assert [c["token_ids"] for c in json.loads(served["body"])["candidates"]] == [c["token_ids"] for c in expected]

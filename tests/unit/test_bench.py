@@ -324,7 +324,7 @@ def test_the_kernel_bench_selections_equal_the_graphs():
     two-level top-k beam_graph.top's values, ids and places (with ties, the same values in the same
     places); the counted top-k torch's sorted top-k, equal values by index (NaN first, as there)."""
     from bench.kernels_bench import counted_top, two_level_top
-    from slm_core.build.beam_graph import top
+    from slm_core.compile.beam_graph import top
 
     g = torch.Generator().manual_seed(0)
     for rows, width, chunks in [(1, 10, 2), (3, 10, 4), (2, 40, 8)]:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from helpers import assert_same_beams, engine_for, hf_beam, hf_catalog_beam, text_ids, write_catalog
-from slm_core.build.checkpoint import load_checkpoint
+from slm_core.compile.checkpoint import load_checkpoint
 from slm_core.catalog import Catalog
 from slm_core.errors import InputError, SpecError
 

@@ -9,7 +9,7 @@ import torch
 
 from conftest import smollm2_path
 from slm_core import Engine, InputError
-from slm_core.build.checkpoint import load_checkpoint
+from slm_core.compile.checkpoint import load_checkpoint
 from slm_core.serve.deadline import Deadlines, waited_ms
 from slm_core.serve.protocol import Request, respond_batch
 from slm_core.spec import TaskSpec

@@ -7,7 +7,7 @@ import pytest
 from conftest import CHAT, smollm2_path
 from helpers import engine_for
 from slm_core import Engine, InputError, SpecError
-from slm_core.build.checkpoint import load_checkpoint
+from slm_core.compile.checkpoint import load_checkpoint
 
 
 def write_yaml(path, text):

@@ -1,4 +1,4 @@
-"""fp8-static (slm_core.build.fp8) on CPU: the E4M3 linear against its definition, calibration and
+"""fp8-static (slm_core.compile.fp8) on CPU: the E4M3 linear against its definition, calibration and
 which modules it swaps, the engine in fp8 against bf16, the accuracy gate, and an fp8 build
 compiled by AOTInductor against its eager graph. The speed is the H200's to measure (tests/gpu,
 bench)."""
@@ -11,9 +11,9 @@ import torch
 from helpers import engine_for
 from slm_kernels.layer_ref import E4M3_MAX, quantize_static_ref
 from slm_core import SpecError
-from slm_core.build.checkpoint import load_checkpoint
-from slm_core.build.checks import GateThresholds, fp8_gate
-from slm_core.build.fp8 import (CALIBRATION_TEXTS, STATIC_HEADROOM, StaticFp8Linear, StaticFp8MLP, calibrate,
+from slm_core.compile.checkpoint import load_checkpoint
+from slm_core.compile.checks import GateThresholds, fp8_gate
+from slm_core.compile.fp8 import (CALIBRATION_TEXTS, STATIC_HEADROOM, StaticFp8Linear, StaticFp8MLP, calibrate,
                                 quantize_linears, static_linears)
 from slm_core.spec import TaskSpec
 from slm_core import Engine
@@ -116,7 +116,7 @@ def test_fp8_score_build_compiles_matches_eager_and_records_its_gate(random_chec
     """An fp8-static score package (AOTInductor, CPU): compiled equals eager, the manifest records
     the precision and the gate, and the served engine loads it with the scales its build
     calibrated, as the eager graph calibrates them."""
-    from slm_core.build.package import build_package
+    from slm_core.compile.package import build_package
     from slm_core.manifest import MANIFEST
     from slm_core.serve.loader import load_package
     from slm_core.spec import RuntimeSpec

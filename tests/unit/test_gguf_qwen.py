@@ -1,4 +1,4 @@
-"""GGUF checkpoints of Qwen2 and Qwen3 (slm_core.build.checkpoint), equal to transformers loading
+"""GGUF checkpoints of Qwen2 and Qwen3 (slm_core.compile.checkpoint), equal to transformers loading
 the same file: the hyperparameters, the tokenizer with its special and added tokens, and the
 model's answers in fp32. The files are written here with the gguf package from random configs,
 laid out as llama.cpp's converter lays them out (no hub is reachable)."""
@@ -12,7 +12,7 @@ import torch
 from conftest import SPECIALS, train_tokenizer
 from helpers import CLASSIFIER_TEXTS as TEXTS
 from helpers import engine_for, hf_embeddings, hf_score, text_ids
-from slm_core.build.checkpoint import load_checkpoint
+from slm_core.compile.checkpoint import load_checkpoint
 
 CONFIGS = {
     # QKV bias, tied embeddings

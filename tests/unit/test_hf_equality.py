@@ -4,7 +4,7 @@ import pytest
 
 from conftest import CHAT
 from helpers import assert_same_beams, engine_for, hf_beam, hf_score, text_ids
-from slm_core.build.checkpoint import load_checkpoint
+from slm_core.compile.checkpoint import load_checkpoint
 
 TEXTS = [
     "Is 'cheap flights to Rome' a travel query? Answer Yes or No.",

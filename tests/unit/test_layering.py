@@ -8,11 +8,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 CORE = REPO / "slm_core"
-# What a worker runs: the serve half, the shared modules, the tasks, the handler.
-SERVE_TIME = sorted([*(CORE / "serve").glob("*.py"), *(CORE / "tasks").glob("*.py"), REPO / "handlers" / "slm_handler.py",
-                     *(CORE / n for n in ("__init__.py", "errors.py", "spec.py", "serving.py", "manifest.py",
-                                          "tokenizer.py", "fast_bpe.py", "pieces.py", "byte_table.py", "flops.py"))])
-BUILD_TIME = ("slm_core.build", "slm_core.api", "slm_kernels", "transformers", "gguf", "safetensors")
+# The build half: compiling a task (slm_core/compile) and the Python API that joins both halves.
+COMPILE_TIME = [*(CORE / "compile").glob("*.py"), CORE / "api.py"]
+# What a worker runs: every other module of slm_core (serve/, tasks/, the shared ones), and the handler.
+SERVE_TIME = sorted({*CORE.rglob("*.py")} - set(COMPILE_TIME)) + [REPO / "handlers" / "slm_handler.py"]
+# What a worker never imports: a package holds its weights in the graph, and a catalog's arrays in
+# safetensors' numpy format (slm_core.catalog), not as torch checkpoints.
+BUILD_TIME = ("slm_core.compile", "slm_core.api", "slm_kernels", "transformers", "gguf", "safetensors.torch")
 KINDS = {"score", "beam", "labels", "classifier", "embedding", "mlp"}  # the task YAML's `task` and `head` values
 
 
@@ -44,6 +46,13 @@ def test_serve_time_modules_import_no_build_time_module(path):
             assert lazy, f"{path.relative_to(REPO)}:{node.lineno} imports {name}"
 
 
+def test_the_halves_cover_the_engine():
+    """Every module of slm_core is in one half: a new folder or module is sorted by where it lies."""
+    assert len(SERVE_TIME) > 20 and (CORE / "catalog.py") in SERVE_TIME and (CORE / "compile" / "model.py") not in SERVE_TIME
+    assert {p.relative_to(CORE).parts[0] for p in CORE.rglob("*.py") if len(p.relative_to(CORE).parts) > 1} == {
+        "compile", "serve", "tasks"}, "a new folder in slm_core: say which half it belongs to here"
+
+
 def test_the_engine_core_never_imports_torchserve():
     for path in CORE.rglob("*.py"):
         assert not [n for n, _ in imports(ast.parse(path.read_text())) if n == "ts" or n.startswith("ts.")], path
@@ -69,8 +78,8 @@ def test_no_branch_on_the_task_kind_outside_the_task_modules():
 def test_the_check_finds_what_it_looks_for(tmp_path):
     """The checks above fail on code that breaks them (each scanner sees such a line)."""
     bad = tmp_path / "bad.py"
-    bad.write_text("def f(task):\n    from slm_core.build.model import Transformer\n    return task.task == 'score'\n")
+    bad.write_text("def f(task):\n    from slm_core.compile.model import Transformer\n    return task.task == 'score'\n")
     tree = ast.parse(bad.read_text())
-    assert [n for n, _ in imports(tree)][0] == "slm_core.build.model"
+    assert [n for n, _ in imports(tree)][0] == "slm_core.compile.model"
     compares = [n for n in ast.walk(tree) if isinstance(n, ast.Compare)]
     assert compares and compares[0].comparators[0].value in KINDS

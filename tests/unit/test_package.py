@@ -86,7 +86,7 @@ def test_archives_carry_their_serving_spec_and_serve_time_sources_only(archives)
     assert beam == plan(ServingOptions(deadline_ms=80), "cpu", 2, manifest["call_ms"])[0] and beam.deadline_ms == 80
     names = zipfile.ZipFile(store / "tiny_beam.mar").namelist()
     assert "slm_core/serve/engine.py" in names and "slm_core/tasks/beam.py" in names
-    assert not [n for n in names if n.startswith(("slm_core/build/", "slm_core/api.py", "slm_kernels/"))]
+    assert not [n for n in names if n.startswith(("slm_core/compile/", "slm_core/api.py", "slm_kernels/"))]
 
 
 def test_configure_writes_a_new_archive_of_the_same_package(archives, tmp_path):
@@ -160,8 +160,8 @@ def test_cuda_package_refused_without_cuda(archives, tmp_path):
 
 def test_triton_kernels_are_refused_on_cpu_builds(random_checkpoint, tmp_path):
     """The Triton kernels compile for CUDA only: a CPU build asked for them says so before compiling."""
-    from slm_core.build.checkpoint import load_checkpoint
-    from slm_core.build.package import build_package
+    from slm_core.compile.checkpoint import load_checkpoint
+    from slm_core.compile.package import build_package
     from slm_core.spec import RuntimeSpec, TaskSpec
 
     ckpt = load_checkpoint(random_checkpoint("qwen2")[0])
@@ -189,7 +189,7 @@ def test_the_cli_refuses_bad_serving_flags_before_loading_anything(capsys):
 def test_the_build_says_where_the_compile_time_went(tmp_path):
     """compile_package's progress line: AOTInductor's phases of this compile only, the largest
     first (a CPU compile's time is mostly its C++ compile)."""
-    from slm_core.build.export import compile_package
+    from slm_core.compile.export import compile_package
 
     class Small(torch.nn.Module):
         def __init__(self):

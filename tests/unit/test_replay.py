@@ -7,7 +7,7 @@ from tokenizers import Tokenizer
 
 from conftest import train_tokenizer
 from helpers import engine_for
-from slm_core.build.checkpoint import load_checkpoint
+from slm_core.compile.checkpoint import load_checkpoint
 from slm_core.serve.engine import Engine
 from slm_core.serve.replay import bucket, bucket_grid, pad_inputs
 from slm_core.spec import TaskSpec

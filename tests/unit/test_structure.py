@@ -4,11 +4,11 @@ with dynamic shapes, bit-identical repeats, and bf16 close to fp32."""
 import pytest
 import torch
 
-import slm_core.build.model
+import slm_core.compile.model
 from conftest import CHAT
 from helpers import engine_for, text_ids
-from slm_core.build.checkpoint import load_checkpoint
-from slm_core.build.export import export_graph
+from slm_core.compile.checkpoint import load_checkpoint
+from slm_core.compile.export import export_graph
 from test_hf_equality import TEXTS
 
 SCORE = dict(task="score", labels=["yes", "no"], max_texts=6, max_text_tokens=48)
@@ -69,7 +69,7 @@ def test_beam_linears_see_the_prompt_once_then_one_row_per_beam(qwen3):
 
 def test_prompt_kv_is_stored_once_and_never_copied_per_beam(qwen3, monkeypatch):
     prefill_k, decode_calls = [], []
-    reference = slm_core.build.model.REFERENCE_OPS
+    reference = slm_core.compile.model.REFERENCE_OPS
 
     def record_prefill(q, k, v, cu, scale, max_seqlen):
         prefill_k.append(k)
@@ -82,7 +82,7 @@ def test_prompt_kv_is_stored_once_and_never_copied_per_beam(qwen3, monkeypatch):
             prefill_k.append(kp)
         return reference.prefix_attention(q, kp, vp, ks, vs, scale, cu)
 
-    monkeypatch.setattr(slm_core.build.model, "REFERENCE_OPS",
+    monkeypatch.setattr(slm_core.compile.model, "REFERENCE_OPS",
                         reference._replace(packed_attention=record_prefill, prefix_attention=record_decode))
     eng = engine_for(qwen3, **BEAM)
     prompt = "a small language model"
@@ -171,7 +171,7 @@ def test_beam_steps_sort_only_the_finished_pool(qwen3):
 
 @pytest.mark.parametrize("k", [1, 3, 8, 40])
 def test_top_places_are_a_stable_sort(k):
-    from slm_core.build.beam_graph import top
+    from slm_core.compile.beam_graph import top
 
     g = torch.Generator().manual_seed(k)
     x = torch.randint(-4, 4, (5, 40), generator=g).float()  # many ties

@@ -233,9 +233,9 @@ import json, sys, tempfile, pathlib, torch
 sys.path.insert(0, "tests")
 from conftest import RANDOM_CONFIGS, train_tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM
-from slm_core.build.checkpoint import load_checkpoint
+from slm_core.compile.checkpoint import load_checkpoint
 from slm_core.api import Engine
-from slm_core.build.eager import eager_engine
+from slm_core.compile.eager import eager_engine
 from slm_core.spec import RuntimeSpec, TaskSpec
 out = {}
 for arch in json.loads(sys.argv[1]):

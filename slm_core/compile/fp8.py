@@ -24,7 +24,7 @@ from slm_core.errors import SpecError
 
 STATIC_HEADROOM = 2.0  # an input scale covers twice the largest |input| calibration saw
 # Calibration inputs: queries, reviews, product titles, instructions, a little code and numbers;
-# none of them among slm_core.build.checks.EVAL_TEXTS, on which the accuracy gate judges the build.
+# none of them among slm_core.compile.checks.EVAL_TEXTS, on which the accuracy gate judges the build.
 CALIBRATION_TEXTS = [
     "flights to lisbon next weekend",
     "does this blender crush ice? the reviews say it struggles with frozen fruit",
@@ -107,7 +107,7 @@ def calibrate(model: nn.Module, run: Callable[[], None]) -> dict[nn.Module, floa
             h.remove()
     if len(amax) != len(hooks):
         raise SpecError("fp8-static calibration: no calibration text reached every linear (do the task bounds "
-                        "admit any of slm_core.build.fp8.CALIBRATION_TEXTS?)")
+                        "admit any of slm_core.compile.fp8.CALIBRATION_TEXTS?)")
     return amax
 
 

@@ -4,10 +4,10 @@ what the build exports, checks against, and what Engine.from_checkpoint runs."""
 import torch
 from torch import nn
 
-from slm_core.build.checkpoint import Checkpoint
-from slm_core.build.fp8 import CALIBRATION_TEXTS, calibrate, quantize_linears
-from slm_core.build.graphs import GRAPHS
-from slm_core.build.model import Transformer
+from slm_core.compile.checkpoint import Checkpoint
+from slm_core.compile.fp8 import CALIBRATION_TEXTS, calibrate, quantize_linears
+from slm_core.compile.graphs import GRAPHS
+from slm_core.compile.model import Transformer
 from slm_core.serve.engine import Engine
 from slm_core.spec import PRECISIONS, RuntimeSpec, TaskSpec
 from slm_core.tasks import Task, task_class, task_for

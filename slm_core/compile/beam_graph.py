@@ -12,7 +12,7 @@ w hold -inf (they take part in nothing), only the top 2w candidates exist, the t
 the pool is full at w finished, and nothing enters it after step n.
 
 How a step expands beams is the subclass's (`expand`): here the whole vocabulary's top 2W per
-beam; slm_core.build.catalog_graph the children of each beam's trie node.
+beam; slm_core.compile.catalog_graph the children of each beam's trie node.
 """
 
 from typing import ClassVar
@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slm_core.build.checkpoint import Checkpoint
-from slm_core.build.model import Transformer
+from slm_core.compile.checkpoint import Checkpoint
+from slm_core.compile.model import Transformer
 from slm_core.errors import SpecError
 from slm_core.spec import RuntimeSpec
 

@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slm_core.build.beam_graph import BeamGraph
-from slm_core.build.catalog_graph import CatalogGraph
-from slm_core.build.checkpoint import Checkpoint, classifier_head
-from slm_core.build.mlp_head import ACTIVATIONS, MlpHead, read_mlp
-from slm_core.build.model import Transformer
+from slm_core.compile.beam_graph import BeamGraph
+from slm_core.compile.catalog_graph import CatalogGraph
+from slm_core.compile.checkpoint import Checkpoint, classifier_head
+from slm_core.compile.mlp_head import ACTIVATIONS, MlpHead, read_mlp
+from slm_core.compile.model import Transformer
 from slm_core.errors import SpecError
 from slm_core.spec import RuntimeSpec, TaskSpec
 
@@ -102,7 +102,7 @@ class EmbeddingGraph(nn.Module):
 
 
 class MlpGraph(EmbeddingGraph):
-    """The embedding, then the user's MLP (slm_core.build.mlp_head) in FP32: softmax over its
+    """The embedding, then the user's MLP (slm_core.compile.mlp_head) in FP32: softmax over its
     output row, or the row itself."""
 
     def __init__(self, model: Transformer, dims: int, normalize: bool, head: MlpHead, logits: bool):

@@ -1,7 +1,7 @@
 """Checkpoint import: HF-style directories and GGUF files -> (ModelSpec, HF-named weights, tokenizer).
 
 Weights keep transformers' names (`model.layers.{i}.self_attn.q_proj.weight`, ...) so that one
-loader (slm_core.build.model.Transformer.load_hf_weights) fuses them whatever the source.
+loader (slm_core.compile.model.Transformer.load_hf_weights) fuses them whatever the source.
 """
 
 import json

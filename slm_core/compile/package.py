@@ -13,10 +13,10 @@ from typing import Any, Callable
 import torch
 
 from slm_core import manifest as package
-from slm_core.build.checkpoint import Checkpoint
-from slm_core.build.checks import GateThresholds, check_compiled, fp8_gate, time_calls
-from slm_core.build.eager import build_graph, prepare
-from slm_core.build.export import compile_package, export_graph
+from slm_core.compile.checkpoint import Checkpoint
+from slm_core.compile.checks import GateThresholds, check_compiled, fp8_gate, time_calls
+from slm_core.compile.eager import build_graph, prepare
+from slm_core.compile.export import compile_package, export_graph
 from slm_core.errors import SpecError
 from slm_core.serve.engine import Engine
 from slm_core.serve.loader import load_graph, serving_engine

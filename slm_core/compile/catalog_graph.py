@@ -17,7 +17,7 @@ computes just their rows, gathered once per call.
 import torch
 import torch.nn.functional as F
 
-from slm_core.build.beam_graph import INF, BeamGraph, top
+from slm_core.compile.beam_graph import INF, BeamGraph, top
 
 
 class CatalogGraph(BeamGraph):
