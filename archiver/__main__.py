@@ -1,8 +1,8 @@
 """slm-archiver: build a TorchServe archive for a task, or configure a new one from a built archive.
 
-    slm-archiver build --checkpoint PATH --task TASK.yaml --model-name NAME --export-path DIR [--device cpu|cuda]
-    slm-archiver configure --archive NAME.mar --export-path DIR [--model-name NEW] [serving flags]
-    slm-archiver catalog --archive NAME.mar --catalog ITEMS.jsonl --version V --export-path DIR
+slm-archiver build --checkpoint PATH --task TASK.yaml --model-name NAME --export-path DIR [--device cpu|cuda]
+slm-archiver configure --archive NAME.mar --export-path DIR [--model-name NEW] [serving flags]
+slm-archiver catalog --archive NAME.mar --catalog ITEMS.jsonl --version V --export-path DIR
 """
 
 import argparse
@@ -12,8 +12,9 @@ from slm_core.errors import SpecError
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="slm-archiver", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="slm-archiver", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="compile a checkpoint for a task into NAME.mar")
     b.add_argument("--checkpoint", required=True, help="HF-style directory or .gguf file")
@@ -21,14 +22,20 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--model-name", required=True)
     b.add_argument("--export-path", required=True, help="directory that receives NAME.mar")
     b.add_argument("--device", default="cpu", help="cpu or cuda: where the archive will serve (build there)")
-    b.add_argument("--fp8-max-diff", type=float,
-                   help="precision fp8-static, score tasks: the largest |difference| of a label probability from "
-                        "the bf16 graph allowed on the evaluation texts (the accuracy gate, default 0.05; the build "
-                        "fails above it)")
-    b.add_argument("--fp8-min-shared", type=float,
-                   help="precision fp8-static, beam tasks: the least mean share of the bf16 graph's W candidates "
-                        "the fp8 graph must also return on the evaluation prompts (default 0.6; the build fails "
-                        "below it)")
+    b.add_argument(
+        "--fp8-max-diff",
+        type=float,
+        help="precision fp8-static, score tasks: the largest |difference| of a label probability from "
+        "the bf16 graph allowed on the evaluation texts (the accuracy gate, default 0.05; the build "
+        "fails above it)",
+    )
+    b.add_argument(
+        "--fp8-min-shared",
+        type=float,
+        help="precision fp8-static, beam tasks: the least mean share of the bf16 graph's W candidates "
+        "the fp8 graph must also return on the evaluation prompts (default 0.6; the build fails "
+        "below it)",
+    )
     b.add_argument("--version", default="1.0", help="the model version TorchServe registers it as (default 1.0)")
     _serving_flags(b)
     c = sub.add_parser("configure", help="a new archive from a built one with other serving settings (no recompile)")
@@ -40,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     k = sub.add_parser("catalog", help="a new version of a catalog task's archive with another catalog (no recompile)")
     k.add_argument("--archive", required=True, help="a built NAME.mar of a task with a catalog")
     k.add_argument("--catalog", required=True, help="the new catalog, JSONL (README.md, Generative retrieval)")
-    k.add_argument("--version", required=True, help="the new archive's model version; it is written as NAME-VERSION.mar")
+    k.add_argument(
+        "--version", required=True, help="the new archive's model version; it is written as NAME-VERSION.mar"
+    )
     k.add_argument("--export-path", required=True, help="directory that receives the new archive")
     k.add_argument("--model-name", help="the model name (default: the built one's)")
     args = parser.parse_args(argv)
@@ -53,14 +62,31 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "catalog":
             catalog(args.archive, args.catalog, args.export_path, args.version, args.model_name)
             return 0
-        serving = ServingOptions(**given(workers=args.workers, queue=args.queue, deadline_ms=args.deadline_ms,
-                                         batch_delay_ms=args.batch_delay_ms, response_timeout_s=args.response_timeout,
-                                         device_ids=tuple(args.device_ids) if args.device_ids else None,
-                                         cuda_graphs=False if args.no_cuda_graphs else None))
+        serving = ServingOptions(
+            **given(
+                workers=args.workers,
+                queue=args.queue,
+                deadline_ms=args.deadline_ms,
+                batch_delay_ms=args.batch_delay_ms,
+                response_timeout_s=args.response_timeout,
+                device_ids=tuple(args.device_ids) if args.device_ids else None,
+                cuda_graphs=False if args.no_cuda_graphs else None,
+            )
+        )
         if args.command == "build":
             gate = GateThresholds(**given(max_diff=args.fp8_max_diff, min_shared=args.fp8_min_shared))
-            build(BuildConfig(args.checkpoint, args.task, args.model_name, args.export_path, args.device, serving, gate,
-                              args.version))
+            build(
+                BuildConfig(
+                    args.checkpoint,
+                    args.task,
+                    args.model_name,
+                    args.export_path,
+                    args.device,
+                    serving,
+                    gate,
+                    args.version,
+                )
+            )
         else:
             configure(args.archive, args.export_path, serving, args.model_name, args.version)
     except (SpecError, FileNotFoundError) as e:
@@ -72,25 +98,44 @@ def main(argv: list[str] | None = None) -> int:
 def _serving_flags(p: argparse.ArgumentParser) -> None:
     """The ServingOptions of slm_core.serving (which refuses bad values); each left out takes its
     measured default."""
-    p.add_argument("--workers", type=int,
-                   help="TorchServe workers for this model (default: 2 per GPU on CUDA, 1 on CPU)")
-    p.add_argument("--queue", type=int,
-                   help="requests that may wait for a worker; beyond them TorchServe answers 503 at once (default: "
-                        "as many as finish within --deadline-ms, from the calls timed at build)")
-    p.add_argument("--deadline-ms", type=float,
-                   help="the latency a queued request must still meet, sizing the queue when --queue is not given "
-                        "(default 80 on CUDA builds; CPU builds, for development, queue 100)")
-    p.add_argument("--batch-delay-ms", type=int,
-                   help="the longest wait for more requests to batch into a call (default 1); at least 1 "
-                        "(TorchServe reads 0 in an archive as unset: 100 ms)")
-    p.add_argument("--response-timeout", type=int,
-                   help="seconds a call may take before TorchServe restarts its worker (default 120)")
-    p.add_argument("--device-ids", type=_ids,
-                   help="CUDA builds: the GPUs this model's workers go to in turn, e.g. 0,1 (default: every GPU of "
-                        "the host, in turn with the other models' workers); the queue grows with their number")
-    p.add_argument("--no-cuda-graphs", action="store_true",
-                   help="CUDA builds: run calls without CUDA graphs (slower; saves the GPU memory their capture "
-                        "reserves, 1-2.5 GiB per worker on the H200)")
+    p.add_argument(
+        "--workers", type=int, help="TorchServe workers for this model (default: 2 per GPU on CUDA, 1 on CPU)"
+    )
+    p.add_argument(
+        "--queue",
+        type=int,
+        help="requests that may wait for a worker; beyond them TorchServe answers 503 at once (default: "
+        "as many as finish within --deadline-ms, from the calls timed at build)",
+    )
+    p.add_argument(
+        "--deadline-ms",
+        type=float,
+        help="the latency a queued request must still meet, sizing the queue when --queue is not given "
+        "(default 80 on CUDA builds; CPU builds, for development, queue 100)",
+    )
+    p.add_argument(
+        "--batch-delay-ms",
+        type=int,
+        help="the longest wait for more requests to batch into a call (default 1); at least 1 "
+        "(TorchServe reads 0 in an archive as unset: 100 ms)",
+    )
+    p.add_argument(
+        "--response-timeout",
+        type=int,
+        help="seconds a call may take before TorchServe restarts its worker (default 120)",
+    )
+    p.add_argument(
+        "--device-ids",
+        type=_ids,
+        help="CUDA builds: the GPUs this model's workers go to in turn, e.g. 0,1 (default: every GPU of "
+        "the host, in turn with the other models' workers); the queue grows with their number",
+    )
+    p.add_argument(
+        "--no-cuda-graphs",
+        action="store_true",
+        help="CUDA builds: run calls without CUDA graphs (slower; saves the GPU memory their capture "
+        "reserves, 1-2.5 GiB per worker on the H200)",
+    )
 
 
 def given(**values) -> dict:

@@ -13,9 +13,10 @@ import sys
 import tempfile
 import time
 import zipfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 
@@ -79,8 +80,13 @@ def build(config: BuildConfig) -> Path:
         return _archive(stage, handler, serving, config.model_name, export, Path(tmp), config.version)
 
 
-def configure(archive: "str | Path", export_path: "str | Path", options: ServingOptions,
-              model_name: str | None = None, version: str | None = None) -> Path:
+def configure(
+    archive: "str | Path",
+    export_path: "str | Path",
+    options: ServingOptions,
+    model_name: str | None = None,
+    version: str | None = None,
+) -> Path:
     """A new archive, `model_name` (default: the source's name).mar in export_path, holding the
     built one's package, sources and handler with a new serving spec: planned from `options`
     (what they leave open takes the defaults, as at build) and the manifest's call timings. No
@@ -96,12 +102,18 @@ def configure(archive: "str | Path", export_path: "str | Path", options: Serving
     export.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f"{name}-") as tmp:
         stage = _unpack(archive, Path(tmp))
-        return _archive(stage, Path(tmp) / HANDLER_FILE, serving, name, export, Path(tmp),
-                        version or archive_version(archive))
+        return _archive(
+            stage, Path(tmp) / HANDLER_FILE, serving, name, export, Path(tmp), version or archive_version(archive)
+        )
 
 
-def catalog(archive: "str | Path", catalog_file: "str | Path", export_path: "str | Path", version: str,
-            model_name: str | None = None) -> Path:
+def catalog(
+    archive: "str | Path",
+    catalog_file: "str | Path",
+    export_path: "str | Path",
+    version: str,
+    model_name: str | None = None,
+) -> Path:
     """A new version of a catalog task's archive, `model_name`-`version`.mar in export_path: the
     built one's compiled graph, serving spec and handler with `catalog_file` (JSONL) in place of
     its catalog. The graph takes the catalog as inputs, so there is no recompile: seconds. The
@@ -125,15 +137,19 @@ def catalog(archive: "str | Path", catalog_file: "str | Path", export_path: "str
     with tempfile.TemporaryDirectory(prefix=f"{name}-") as tmp:
         stage = _unpack(archive, Path(tmp))
         progress(f"building the catalog trie of {catalog_file}")
-        task = task_for(dataclasses.replace(spec, catalog=str(Path(catalog_file).resolve())),
-                        Tokenizer.from_file(str(stage / TOKENIZER)), manifest["device"])
+        task = task_for(
+            dataclasses.replace(spec, catalog=str(Path(catalog_file).resolve())),
+            Tokenizer.from_file(str(stage / TOKENIZER)),
+            manifest["device"],
+        )
         manifest["task"] = task.write_data(stage).to_dict()
         manifest["pipeline"] = task.pipeline(manifest["device"], GRAPH)
         (stage / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         progress(f"catalog: {task.catalog.summary()}")
         (Path(tmp) / "out").mkdir()
-        mar = _archive(stage, Path(tmp) / HANDLER_FILE, read_serving(archive), name, Path(tmp) / "out", Path(tmp),
-                       version)
+        mar = _archive(
+            stage, Path(tmp) / HANDLER_FILE, read_serving(archive), name, Path(tmp) / "out", Path(tmp), version
+        )
         shutil.move(mar, target)
     progress(f"done: {target}")
     return target
@@ -179,30 +195,36 @@ def read_serving(archive: "str | Path") -> ServingSpec:
         return ServingSpec.from_model_config(yaml.safe_load(z.read(MODEL_CONFIG)))
 
 
-def _archive(stage: Path, handler: Path, serving: ServingSpec, name: str, export: Path, tmp: Path,
-             version: str) -> Path:
+def _archive(
+    stage: Path, handler: Path, serving: ServingSpec, name: str, export: Path, tmp: Path, version: str
+) -> Path:
     from model_archiver.model_archiver_config import ModelArchiverConfig
     from model_archiver.model_packaging import generate_model_archive
 
     config = tmp / MODEL_CONFIG
     config.write_text(yaml.safe_dump(serving.model_config(), sort_keys=False))
-    progress(f"serving: {serving.workers} worker(s) taking up to {serving.batch} request(s) per call, "
-             f"queue {serving.queue}" + ("" if serving.cuda_graphs or serving.device == "cpu" else ", no CUDA graphs"))
+    progress(
+        f"serving: {serving.workers} worker(s) taking up to {serving.batch} request(s) per call, "
+        f"queue {serving.queue}" + ("" if serving.cuda_graphs or serving.device == "cpu" else ", no CUDA graphs")
+    )
     progress(f"writing {export / (name + '.mar')}")
     # torch-model-archiver stages the files in gettempdir()/NAME, so two builds of one name at once
     # (a baseline's beside this tree's) would write into and delete each other's: stage in ours
     shared, tempfile.tempdir = tempfile.tempdir, str(tmp)
     try:
-        generate_model_archive(ModelArchiverConfig(
-            model_name=name,
-            handler=str(handler),
-            version=version,
-            extra_files=str(stage),
-            export_path=str(export),
-            archive_format="zip-store",  # graph.pt2 is already a zip of weights: storing is as small and much faster
-            force=True,
-            config_file=str(config),
-        ))
+        generate_model_archive(
+            ModelArchiverConfig(
+                model_name=name,
+                handler=str(handler),
+                version=version,
+                extra_files=str(stage),
+                export_path=str(export),
+                # graph.pt2 is already a zip of weights: storing is as small and much faster
+                archive_format="zip-store",
+                force=True,
+                config_file=str(config),
+            )
+        )
     finally:
         tempfile.tempdir = shared
     mar = export / f"{name}.mar"

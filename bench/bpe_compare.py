@@ -23,8 +23,10 @@ from tokenizers import Tokenizer
 from bench.workloads import WORKLOADS, TextMaker
 from slm_core.fast_bpe import FastBpe, byte_decoder
 
-MIXED = list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,;:!?'\"-_()[]{}#@&*/\\\n\t"
-             "éüñßøåçœ日本語中文한국어🤖😀—–…«»€£¥")
+MIXED = list(
+    "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,;:!?'\"-_()[]{}#@&*/\\\n\t"
+    "éüñßøåçœ日本語中文한국어🤖😀—–…«»€£¥"
+)
 
 
 def split_over(pool: ThreadPoolExecutor, k: int, enc, texts: list[str]) -> list[list[int]]:
@@ -59,12 +61,18 @@ def main() -> None:
     pool = ThreadPoolExecutor(args.threads)
     for n in (1, 4):
         texts = [t for r in requests[:n] for t in r["texts"]]
-        runs = (("tokenizers encode_batch_fast", lambda: tok.encode_batch_fast(texts, add_special_tokens=False)),
-                ("tiktoken encode_ordinary, one text after another", lambda: [enc.encode_ordinary(t) for t in texts]),
-                (f"tiktoken encode_ordinary over {args.threads} threads", lambda: split_over(pool, args.threads, enc, texts)))
+        runs = (
+            ("tokenizers encode_batch_fast", lambda: tok.encode_batch_fast(texts, add_special_tokens=False)),
+            ("tiktoken encode_ordinary, one text after another", lambda: [enc.encode_ordinary(t) for t in texts]),
+            (
+                f"tiktoken encode_ordinary over {args.threads} threads",
+                lambda: split_over(pool, args.threads, enc, texts),
+            ),
+        )
         for name, run in runs:
-            assert [list(ids) for ids in (e.ids if hasattr(e, "ids") else e for e in run())] == \
-                [enc.encode_ordinary(t) for t in texts]
+            assert [list(ids) for ids in (e.ids if hasattr(e, "ids") else e for e in run())] == [
+                enc.encode_ordinary(t) for t in texts
+            ]
             timings = []
             for _ in range(5):
                 start = time.perf_counter()
@@ -78,8 +86,12 @@ def main() -> None:
     spelled = {t: bytes(decode[c] for c in t).decode("utf-8", "replace") for t in config["model"]["vocab"]}
     vocab_texts = [s for s in spelled.values() if not any(x in s for x in specials)]
     rng, words = random.Random(0), list(spelled.values())
-    randoms = [" ".join(rng.choice(words) for _ in range(rng.randint(1, 30))) if i % 2 else
-               "".join(rng.choice(MIXED) for _ in range(rng.randint(1, 80))) for i in range(args.random_texts)]
+    randoms = [
+        " ".join(rng.choice(words) for _ in range(rng.randint(1, 30)))
+        if i % 2
+        else "".join(rng.choice(MIXED) for _ in range(rng.randint(1, 80)))
+        for i in range(args.random_texts)
+    ]
     randoms = [s for s in randoms if not any(x in s for x in specials)]
     for name, sample in (("vocabulary strings", vocab_texts), ("random texts", randoms)):
         differ = [s for s in sample if tok.encode(s, add_special_tokens=False).ids != enc.encode_ordinary(s)]

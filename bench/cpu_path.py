@@ -37,7 +37,11 @@ class StubGraph(torch.nn.Module):
         if self.task.api == "embed":
             return torch.rand(n, self.hidden, generator=g)
         w, k = self.task.width, self.task.new_tokens
-        return torch.randint(0, self.vocab, (n, w, k), generator=g), torch.full((n, w), k), -torch.rand(n, w, generator=g)
+        return (
+            torch.randint(0, self.vocab, (n, w, k), generator=g),
+            torch.full((n, w), k),
+            -torch.rand(n, w, generator=g),
+        )
 
 
 def main() -> None:
@@ -54,8 +58,10 @@ def main() -> None:
         batches = [int(b) for b in args.batches.split(",")]
         task = task_for(TaskSpec.from_dict({**workload.task, "max_batch": max(batches)}), tokenizer)
         engine = Engine(StubGraph(task, tokenizer.get_vocab_size(), workload.arch["hidden_size"]), task, "cpu")
-        bodies = [Request({"body": json.dumps(b).encode()})
-                  for b in TextMaker(tokenizer, seed=2).requests(workload, max(batches))]
+        bodies = [
+            Request({"body": json.dumps(b).encode()})
+            for b in TextMaker(tokenizer, seed=2).requests(workload, max(batches))
+        ]
         for b in batches:
             respond_batch(engine, bodies[:b])  # warm up
             timings = []

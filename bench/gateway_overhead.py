@@ -35,20 +35,34 @@ def main() -> None:
 
     from bench.workloads import WORKLOADS, TextMaker
 
-    bodies = [json.dumps(b).encode() for b in
-              TextMaker(Tokenizer.from_file(str(args.tokenizer)), seed=2).requests(WORKLOADS[args.workload], 500)]
+    bodies = [
+        json.dumps(b).encode()
+        for b in TextMaker(Tokenizer.from_file(str(args.tokenizer)), seed=2).requests(WORKLOADS[args.workload], 500)
+    ]
     server = TorchServe(Path(tempfile.mkdtemp(prefix="gateway-")), args.archive.parent).start()
     (port,) = free_ports(1)
-    env = {**os.environ, "GATEWAY_ADDRESS": f"127.0.0.1:{port}", "INFERENCE": server.inference,
-           "MANAGEMENT": server.management}
+    env = {
+        **os.environ,
+        "GATEWAY_ADDRESS": f"127.0.0.1:{port}",
+        "INFERENCE": server.inference,
+        "MANAGEMENT": server.management,
+    }
     gateway = subprocess.Popen([sys.executable, str(REPO / "deploy" / "kserve_gateway.py")], env=env)
-    result = {"archive": args.archive.name, "workers": args.workers, "workload": args.workload, "rate": args.rate,
-              "seconds": args.seconds, "turns": []}
+    result = {
+        "archive": args.archive.name,
+        "workers": args.workers,
+        "workload": args.workload,
+        "rate": args.rate,
+        "seconds": args.seconds,
+        "turns": [],
+    }
     try:
         server.register(args.archive.name, args.workers, name=args.archive.stem)
         time.sleep(2)
-        urls = {"straight": f"{server.inference}/predictions/{args.archive.stem}",
-                "gateway": f"http://127.0.0.1:{port}/v1/models/{args.archive.stem}:predict"}
+        urls = {
+            "straight": f"{server.inference}/predictions/{args.archive.stem}",
+            "gateway": f"http://127.0.0.1:{port}/v1/models/{args.archive.stem}:predict",
+        }
         v1 = [json.dumps({"instances": [json.loads(b)]}).encode() for b in bodies]
         open_loop(urls["straight"], bodies, [(args.rate, 5.0)])  # warm-up
         for name in ("straight", "gateway", "straight", "gateway"):
@@ -57,7 +71,9 @@ def main() -> None:
             result["turns"].append(turn)
             print(json.dumps(turn), flush=True)
         # the v1 body through the gateway against the native body through it: the protocol's cost
-        records = open_loop(f"http://127.0.0.1:{port}/predictions/{args.archive.stem}", bodies, [(args.rate, args.seconds)])
+        records = open_loop(
+            f"http://127.0.0.1:{port}/predictions/{args.archive.stem}", bodies, [(args.rate, args.seconds)]
+        )
         result["turns"].append({"path": "gateway, native body", **summary(records, args.seconds)})
         print(json.dumps(result["turns"][-1]), flush=True)
     finally:

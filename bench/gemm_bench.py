@@ -24,11 +24,19 @@ E4M3 = torch.float8_e4m3fn
 # (name, in, out) of each model's linears (bench/workloads.py's architectures)
 QWEN3_06B = [("qkv", 1024, 4096), ("o", 2048, 1024), ("gate_up", 1024, 6144), ("down", 3072, 1024)]
 QWEN25_05B = [("qkv", 896, 1152), ("o", 896, 896), ("gate_up", 896, 9728), ("down", 4864, 896)]
-CASES = ([("W1", m, *lin) for m in (1700, 3400) for lin in QWEN3_06B]
-         + [("W2/W3 decode", m, *lin) for m in (100, 200, 400) for lin in QWEN25_05B]
-         + [("W2/W3 decode", m, "lm_head", 896, 151936) for m in (100, 200)])
-AUTOTUNED = {("W1", 1700, "o"), ("W1", 1700, "down"), ("W1", 1700, "gate_up"), ("W1", 1700, "qkv"),
-             ("W2/W3 decode", 200, "gate_up"), ("W2/W3 decode", 200, "down")}
+CASES = (
+    [("W1", m, *lin) for m in (1700, 3400) for lin in QWEN3_06B]
+    + [("W2/W3 decode", m, *lin) for m in (100, 200, 400) for lin in QWEN25_05B]
+    + [("W2/W3 decode", m, "lm_head", 896, 151936) for m in (100, 200)]
+)
+AUTOTUNED = {
+    ("W1", 1700, "o"),
+    ("W1", 1700, "down"),
+    ("W1", 1700, "gate_up"),
+    ("W1", 1700, "qkv"),
+    ("W2/W3 decode", 200, "gate_up"),
+    ("W2/W3 decode", 200, "down"),
+}
 
 
 def options(x: torch.Tensor, w: torch.Tensor, autotune: bool) -> dict:
@@ -59,15 +67,25 @@ def main() -> None:
         for label, fn in options(x, w, (workload, m, name) in AUTOTUNED).items():
             try:
                 ms = graph_ms(fn)
-                case["results"][label] = {"gpu_us": ms * 1e3, "tflops": 2 * m * k * n / ms / 1e9,
-                                          "weight_GB_per_s": n * k * (1 if "fp8" in label else 2) / ms / 1e6}
+                case["results"][label] = {
+                    "gpu_us": ms * 1e3,
+                    "tflops": 2 * m * k * n / ms / 1e9,
+                    "weight_GB_per_s": n * k * (1 if "fp8" in label else 2) / ms / 1e6,
+                }
             except Exception as e:  # an option this torch or GPU lacks is reported, not fatal
                 case["results"][label] = {"error": f"{type(e).__name__}: {e}"[:300]}
         results["cases"].append(case)
         print(f"\n{workload} {name} [{m} x {k}] -> {n}")
         for label, r in case["results"].items():
-            print(f"  {label:58s} " + (f"{r['gpu_us']:8.1f} us {r['tflops']:6.0f} TFLOP/s {r['weight_GB_per_s']:6.0f} GB/s"
-                                        if "gpu_us" in r else r["error"]), flush=True)
+            print(
+                f"  {label:58s} "
+                + (
+                    f"{r['gpu_us']:8.1f} us {r['tflops']:6.0f} TFLOP/s {r['weight_GB_per_s']:6.0f} GB/s"
+                    if "gpu_us" in r
+                    else r["error"]
+                ),
+                flush=True,
+            )
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
 

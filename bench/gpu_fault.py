@@ -29,7 +29,7 @@ def main() -> None:
         torch.cuda.synchronize()
     except RuntimeError as e:
         print(f"faulted: {e}".splitlines()[0], flush=True)
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     raise SystemExit("no fault: the store went through")
 
 

@@ -18,14 +18,14 @@ import random
 import torch
 import torch.nn.functional as F
 
+from slm_core.compile.beam_graph import places, top
 from slm_kernels.attention_ref import packed_attention_ref, prefix_suffix_attention_ref, random_prefix_inputs
+from slm_kernels.layer_ref import qkv_rope_ref, silu_mul_ref
 from slm_kernels.packed_attention import packed_attention
 from slm_kernels.prefix_attention import prefix_suffix_attention
 from slm_kernels.qkv_rope import qkv_rope
-from slm_kernels.layer_ref import qkv_rope_ref, silu_mul_ref
 from slm_kernels.silu_mul import silu_mul
 from slm_kernels.vocab_topk import vocab_topk
-from slm_core.compile.beam_graph import places, top
 
 
 def median_ms(fn, iters: int = 50) -> float:
@@ -82,8 +82,15 @@ def prefill(lengths: list[int], hq: int, hkv: int, d: int) -> dict:
     out = {"shape": f"{len(lengths)} seqs, {t} tokens, {hq}/{hkv} heads, d={d}", "results": {}}
     r = out["results"]
     group_pad = 1 << (hq // hkv - 1).bit_length()
-    for rows, bn, warps, stages in ((64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3),
-                                    (128, 32, 4, 3), (256, 64, 8, 3)):  # rows: positions x the padded group
+    for rows, bn, warps, stages in (
+        (64, 64, 4, 3),
+        (64, 64, 4, 2),
+        (64, 32, 4, 3),
+        (128, 64, 4, 3),
+        (128, 64, 8, 3),
+        (128, 32, 4, 3),
+        (256, 64, 8, 3),
+    ):  # rows: positions x the padded group
         bm = max(1, rows // group_pad)
         if bm * group_pad >= 16:
             fn = lambda: packed_attention(q, k, v, cu, scale, max(lengths), bm, bn, warps, stages)  # noqa: E731
@@ -104,7 +111,8 @@ def prefill(lengths: list[int], hq: int, hkv: int, d: int) -> dict:
     qp, kp, vp = pad(q), pad(k), pad(v)
     flash = lambda: F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)  # noqa: E731
     r["padded flash SDPA, kernel only (inputs pre-padded)"] = timed(
-        lambda: flash().transpose(1, 2).reshape(n * lmax, hq, d)[pos], ref)
+        lambda: flash().transpose(1, 2).reshape(n * lmax, hq, d)[pos], ref
+    )
     r.update(varlen(q, k, v, cu, lmax, ref), **flex(q, k, v, lengths, ref))
     return out
 
@@ -122,8 +130,10 @@ def varlen(q, k, v, cu, lmax: int, ref) -> dict:
         name = "varlen_attn (GQA)"
     else:
         g = q.shape[1] // k.shape[1]
-        fn = lambda: varlen_attn(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), cu, cu, lmax, lmax,  # noqa: E731
-                                 **causal)
+
+        def fn():
+            return varlen_attn(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), cu, cu, lmax, lmax, **causal)
+
         name = "varlen_attn (K/V expanded per q head, incl. the expand)"
     return {name: timed(fn, ref)}
 
@@ -147,10 +157,19 @@ def decode(width: int, prompts: list[int], suffix: int, hq: int, hkv: int, d: in
     rows, t = width * len(prompts), sum(prompts)
     q, kp, vp, ks, vs, cu = random_prefix_inputs(width, prompts, suffix, (hq, hkv, d), dev, torch.bfloat16)
     ref = prefix_suffix_attention_ref(q.float(), kp.float(), vp.float(), ks.float(), vs.float(), scale, cu)
-    out = {"shape": f"{len(prompts)} prompt(s) of {prompts} tokens x W={width}, Ls={suffix}, {hq}/{hkv} heads, d={d}",
-           "results": {}}
+    out = {
+        "shape": f"{len(prompts)} prompt(s) of {prompts} tokens x W={width}, Ls={suffix}, {hq}/{hkv} heads, d={d}",
+        "results": {},
+    }
     r = out["results"]
-    for bw, bn, warps, stages in ((16, 64, 4, 3), (16, 64, 4, 2), (8, 64, 4, 3), (4, 64, 4, 3), (32, 32, 4, 3), (16, 128, 8, 2)):
+    for bw, bn, warps, stages in (
+        (16, 64, 4, 3),
+        (16, 64, 4, 2),
+        (8, 64, 4, 3),
+        (4, 64, 4, 3),
+        (32, 32, 4, 3),
+        (16, 128, 8, 2),
+    ):
         fn = lambda: prefix_suffix_attention(q, kp, vp, ks, vs, scale, cu, bw, bn, warps, stages)  # noqa: E731
         r[f"triton prefix {bw}x{bn} w{warps} s{stages}"] = timed(fn, ref)
     fn = lambda: prefix_suffix_attention_ref(q, kp, vp, ks, vs, scale, cu)  # noqa: E731
@@ -161,8 +180,13 @@ def decode(width: int, prompts: list[int], suffix: int, hq: int, hkv: int, d: in
     lmax = max(prompts)
     pos = torch.arange(lmax, device=dev)
     key_rows = (cu[:-1, None] + pos).clamp(max=t - 1)[index]  # [rows, lmax]
-    valid = torch.cat([pos[None, :] < torch.tensor(prompts, device=dev)[index][:, None],
-                       torch.ones(rows, suffix, dtype=torch.bool, device=dev)], 1)[:, None, None, :]
+    valid = torch.cat(
+        [
+            pos[None, :] < torch.tensor(prompts, device=dev)[index][:, None],
+            torch.ones(rows, suffix, dtype=torch.bool, device=dev),
+        ],
+        1,
+    )[:, None, None, :]
 
     def concat_sdpa():
         k = torch.cat([kp[key_rows], ks], 1).transpose(1, 2)
@@ -179,10 +203,14 @@ def rope(t: int, hq: int, hkv: int, d: int, norm: bool) -> dict:
     angles = torch.rand(t, d // 2, device=dev) * 100
     cos, sin = (torch.cat([f(angles)] * 2, -1).bfloat16() for f in (torch.cos, torch.sin))
     w = (torch.rand(d, device=dev, dtype=torch.bfloat16) + 0.5,) * 2 if norm else (None, None)
-    ref = qkv_rope_ref(qkv.float(), cos.float(), sin.float(), hq, hkv, *(None if x is None else x.float() for x in w))[0]
+    ref = qkv_rope_ref(qkv.float(), cos.float(), sin.float(), hq, hkv, *(None if x is None else x.float() for x in w))[
+        0
+    ]
     inductor = torch.compile(lambda *a: [x.contiguous() for x in qkv_rope_ref(*a)], dynamic=False)
-    r = {name: timed(lambda fn=fn: fn(qkv, cos, sin, hq, hkv, *w)[0], ref)  # all three outputs; error of q
-         for name, fn in (("triton qkv_rope", qkv_rope), ("Inductor (torch.compile of the reference)", inductor))}
+    r = {
+        name: timed(lambda fn=fn: fn(qkv, cos, sin, hq, hkv, *w)[0], ref)  # all three outputs; error of q
+        for name, fn in (("triton qkv_rope", qkv_rope), ("Inductor (torch.compile of the reference)", inductor))
+    }
     return {"shape": f"{t} rows, {hq}/{hkv} heads, d={d}, QK-norm {norm}", "results": r}
 
 
@@ -190,9 +218,13 @@ def mlp_act(t: int, inner: int) -> dict:
     x = torch.randn(t, 2 * inner, device="cuda", dtype=torch.bfloat16) * 4
     ref = silu_mul_ref(x.float())
     inductor = torch.compile(silu_mul_ref, dynamic=False)
-    return {"shape": f"{t} rows, [T, {2 * inner}] -> [T, {inner}]",
-            "results": {"triton silu_mul": timed(lambda: silu_mul(x), ref),
-                        "Inductor (torch.compile of the reference)": timed(lambda: inductor(x), ref)}}
+    return {
+        "shape": f"{t} rows, [T, {2 * inner}] -> [T, {inner}]",
+        "results": {
+            "triton silu_mul": timed(lambda: silu_mul(x), ref),
+            "Inductor (torch.compile of the reference)": timed(lambda: inductor(x), ref),
+        },
+    }
 
 
 def two_stage_topk(x: torch.Tensor, k: int, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,17 +245,26 @@ def topk(rows: int, k: int, vocab: int = 151936) -> dict:
     unsorted = torch.compile(lambda x: (x.topk(k, dim=-1, sorted=False), torch.logsumexp(x.float(), -1)))
     fn = lambda: unsorted(logits)[0].values  # noqa: E731
     r["torch.topk unsorted + logsumexp (compiled; the graphs' default)"] = {
-        "eager_call_ms": median_ms(fn), "gpu_ms": graph_ms(fn),
-        "rel_err": rel_err(fn().sort(-1, descending=True).values, ref)}
+        "eager_call_ms": median_ms(fn),
+        "gpu_ms": graph_ms(fn),
+        "rel_err": rel_err(fn().sort(-1, descending=True).values, ref),
+    }
     for group in (16, 32, 64, 128):  # the default is 32
         name = f"triton vocab_topk (group maxima + logsumexp, top-k of the best groups), group {group}"
         fused = lambda g=group: vocab_topk(logits, k, group=g)  # noqa: E731
         try:  # a failure is reported, the rest of the bench goes on
-            r[name] = {"eager_call_ms": median_ms(fused), "gpu_ms": graph_ms(fused),
-                       "rel_err": rel_err(fused()[0].sort(-1, descending=True).values, ref)}
+            r[name] = {
+                "eager_call_ms": median_ms(fused),
+                "gpu_ms": graph_ms(fused),
+                "rel_err": rel_err(fused()[0].sort(-1, descending=True).values, ref),
+            }
         except Exception as e:
-            r[name] = {"eager_call_ms": float("nan"), "gpu_ms": float("nan"), "rel_err": float("nan"),
-                       "error": f"{type(e).__name__}: {e}"[:300]}
+            r[name] = {
+                "eager_call_ms": float("nan"),
+                "gpu_ms": float("nan"),
+                "rel_err": float("nan"),
+                "error": f"{type(e).__name__}: {e}"[:300],
+            }
     for chunks in (16, 64, 128):
         if vocab % chunks == 0 and vocab // chunks >= k:
             r[f"two stages, {chunks} chunks"] = timed(lambda c=chunks: two_stage_topk(logits, k, c)[0], ref)
@@ -256,17 +297,23 @@ def selection(prompts: int, width: int) -> dict:
     k = 2 * width
     x = torch.randn(prompts, width * k, device="cuda") * 3 - 20
     ref = x.topk(k, dim=1).values
-    variants = {"torch.topk sorted (the graphs before)": torch.compile(lambda x: x.topk(k, dim=1)),
-                "beam_graph.top: unsorted + places (the graphs')": torch.compile(lambda x: top(x, k))}
+    variants = {
+        "torch.topk sorted (the graphs before)": torch.compile(lambda x: x.topk(k, dim=1)),
+        "beam_graph.top: unsorted + places (the graphs')": torch.compile(lambda x: top(x, k)),
+    }
     for chunks in (2, 4, 8):
         if (width * k) % chunks == 0 and (width * k) // chunks >= k:
             variants[f"two levels, {chunks} chunks, + places"] = torch.compile(
-                lambda x, c=chunks: two_level_top(x, k, c))
+                lambda x, c=chunks: two_level_top(x, k, c)
+            )
     r = {}
     for name, fn in variants.items():
         call = lambda f=fn: f(x)  # noqa: E731
-        r[name] = {"eager_call_ms": median_ms(call), "gpu_ms": graph_ms(call),
-                   "rel_err": rel_err(call()[0].sort(-1, descending=True).values, ref)}
+        r[name] = {
+            "eager_call_ms": median_ms(call),
+            "gpu_ms": graph_ms(call),
+            "rel_err": rel_err(call()[0].sort(-1, descending=True).values, ref),
+        }
     return {"shape": f"{prompts} prompt(s) x {width * k} continuations, k={k}", "results": r}
 
 
@@ -291,8 +338,10 @@ def small_selection(prompts: int, width: int, columns: int) -> dict:
     x = torch.randn(prompts, columns, device="cuda") * 3 - 20
     ref = x.topk(width, dim=1).values
     r = {}
-    for name, fn in {"torch.topk sorted": torch.compile(lambda x: x.topk(width, dim=1)),
-                     "counted places, scattered": torch.compile(lambda x: counted_top(x, width))}.items():
+    for name, fn in {
+        "torch.topk sorted": torch.compile(lambda x: x.topk(width, dim=1)),
+        "counted places, scattered": torch.compile(lambda x: counted_top(x, width)),
+    }.items():
         r[name] = timed(lambda f=fn: f(x)[0], ref)
     return {"shape": f"{prompts} prompt(s) x {columns}, k={width}", "results": r}
 
@@ -315,10 +364,15 @@ def cases() -> dict:
         "W1 SiLU * up": lambda: mlp_act(1640, 3072),
         "W2 decode SiLU * up, 4 prompts": lambda: mlp_act(400, 4864),
         **{f"beam top-k, {rows} beams": lambda rows=rows: topk(rows, 200) for rows in (100, 400, 800)},
-        **{f"beam selection, W={w}, {b} prompt(s)": lambda w=w, b=b: selection(b, w)
-           for w, b in ((100, 1), (100, 4), (100, 8), (400, 1))},
-        **{f"beam {what}, W={w}, {b} prompt(s)": lambda w=w, b=b, n=n: small_selection(b, w, n * w)
-           for what, n in (("running beams", 2), ("pool merge", 3)) for w, b in ((100, 1), (100, 8), (400, 1))},
+        **{
+            f"beam selection, W={w}, {b} prompt(s)": lambda w=w, b=b: selection(b, w)
+            for w, b in ((100, 1), (100, 4), (100, 8), (400, 1))
+        },
+        **{
+            f"beam {what}, W={w}, {b} prompt(s)": lambda w=w, b=b, n=n: small_selection(b, w, n * w)
+            for what, n in (("running beams", 2), ("pool merge", 3))
+            for w, b in ((100, 1), (100, 8), (400, 1))
+        },
     }
 
 
@@ -335,8 +389,10 @@ def main() -> None:
         if isinstance(res, dict):
             print(f"\n{name}: {res['shape']}")
             for k, v in res["results"].items():
-                print(f"  {k:52s} GPU {v['gpu_ms']:7.3f} ms  eager call {v['eager_call_ms']:7.3f} ms  "
-                      f"rel err {v['rel_err']:.2e}")
+                print(
+                    f"  {k:52s} GPU {v['gpu_ms']:7.3f} ms  eager call {v['eager_call_ms']:7.3f} ms  "
+                    f"rel err {v['rel_err']:.2e}"
+                )
 
 
 if __name__ == "__main__":

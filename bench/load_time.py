@@ -114,9 +114,16 @@ def profiled(pt2: Path, under: Path, cache: Path) -> tuple[float, str, list[dict
             rss = int(stat[21]) * os.sysconf("SC_PAGE_SIZE")
         except (OSError, ValueError, IndexError):
             continue
-        timeline.append({"s": round(time.perf_counter() - start, 1), "user_s": int(stat[11]) / tick,
-                         "sys_s": int(stat[12]) / tick, "read_mb": int(io["rchar"]) / 2**20,
-                         "disk_read_mb": int(io["read_bytes"]) / 2**20, "rss_mb": rss / 2**20})
+        timeline.append(
+            {
+                "s": round(time.perf_counter() - start, 1),
+                "user_s": int(stat[11]) / tick,
+                "sys_s": int(stat[12]) / tick,
+                "read_mb": int(io["rchar"]) / 2**20,
+                "disk_read_mb": int(io["read_bytes"]) / 2**20,
+                "rss_mb": rss / 2**20,
+            }
+        )
     seconds, table = recv.recv()
     proc.join()
     return seconds, table, timeline
@@ -151,12 +158,15 @@ def main() -> None:
         "free_gb": {str(d): shutil.disk_usage(d).free / 2**30 for d in (disk, SHM)},
     }
     cache = Path(tempfile.mkdtemp(dir=disk))  # one Inductor cache the loads share, as a server's workers do
-    steps = {"extract_s disk": lambda: extract(pt2, disk), "extract_s shm": lambda: extract(pt2, SHM),
-             "dlopen_s of the .so alone": lambda: dlopen(pt2, disk),
-             "load disk, first (s, .so in Inductor's cache)": lambda: loads(pt2, disk, cache, 1),
-             "load disk": lambda: loads(pt2, disk, cache, 1),
-             "load shm": lambda: loads(pt2, SHM, cache, 1),
-             "load disk, two at once": lambda: loads(pt2, disk, cache, 2)}
+    steps = {
+        "extract_s disk": lambda: extract(pt2, disk),
+        "extract_s shm": lambda: extract(pt2, SHM),
+        "dlopen_s of the .so alone": lambda: dlopen(pt2, disk),
+        "load disk, first (s, .so in Inductor's cache)": lambda: loads(pt2, disk, cache, 1),
+        "load disk": lambda: loads(pt2, disk, cache, 1),
+        "load shm": lambda: loads(pt2, SHM, cache, 1),
+        "load disk, two at once": lambda: loads(pt2, disk, cache, 2),
+    }
     for name, step in steps.items():
         try:
             result[name] = step()

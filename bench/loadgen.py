@@ -38,8 +38,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
 
 
-async def _run(url: str, bodies: list[bytes], concurrency: int, warmup: float, duration: float,
-               timeout: float) -> Point:
+async def _run(
+    url: str, bodies: list[bytes], concurrency: int, warmup: float, duration: float, timeout: float
+) -> Point:
     latencies: list[float] = []
     done: list[int] = []
     split: list[tuple[float, ...]] = []  # X-Slm-* headers of the answers in the window
@@ -65,7 +66,7 @@ async def _run(url: str, bodies: list[bytes], concurrency: int, warmup: float, d
                         ok = r.status == 200
                         times = [r.headers.get(f"X-Slm-{h}") for h in ("Handler-Ms", "Graph-Ms", "Batch")]
                         failure = "" if ok else f"{r.status} {body[:160].decode('utf-8', 'replace')}"
-                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                except (TimeoutError, aiohttp.ClientError) as e:
                     ok, failure = False, type(e).__name__
                 end = time.perf_counter()
                 if window[0] <= end <= window[1]:  # completed in the window (sent during warm-up is fine)
@@ -81,24 +82,33 @@ async def _run(url: str, bodies: list[bytes], concurrency: int, warmup: float, d
         await asyncio.gather(*(client() for _ in range(concurrency)))
     n = len(latencies)
     return Point(
-        concurrency=concurrency, qps=n / duration,
+        concurrency=concurrency,
+        qps=n / duration,
         mean_ms=statistics.fmean(latencies) if n else float("nan"),
         p50_ms=percentile(latencies, 50) if n else float("nan"),
         p99_ms=percentile(latencies, 99) if n else float("nan"),
-        completed=n, errors=errors, seconds=duration, request_indices=tuple(done),
-        window_start=window_start, first_error=first_error,
-        **({} if not split else dict(zip(("handler_ms", "graph_ms", "call_batch"), map(statistics.fmean, zip(*split))))),
+        completed=n,
+        errors=errors,
+        seconds=duration,
+        request_indices=tuple(done),
+        window_start=window_start,
+        first_error=first_error,
+        **(
+            {} if not split else dict(zip(("handler_ms", "graph_ms", "call_batch"), map(statistics.fmean, zip(*split))))
+        ),
     )
 
 
-def measure(url: str, bodies: list[bytes], concurrency: int, warmup: float = 1.0, duration: float = 5.0,
-            timeout: float = 30.0) -> Point:
+def measure(
+    url: str, bodies: list[bytes], concurrency: int, warmup: float = 1.0, duration: float = 5.0, timeout: float = 30.0
+) -> Point:
     """One point; a request unanswered after `timeout` seconds counts as an error (the SLO is 80 ms)."""
     return asyncio.run(_run(url, bodies, concurrency, warmup, duration, timeout))
 
 
-def sweep(url: str, bodies: list[bytes], levels: list[int], warmup: float, duration: float, on_point=None,
-          min_points: int = 3) -> list[Point]:
+def sweep(
+    url: str, bodies: list[bytes], levels: list[int], warmup: float, duration: float, on_point=None, min_points: int = 3
+) -> list[Point]:
     """Measure at each concurrency in `levels`; stop once `min_points` are measured and the last two
     missed the SLO (latency only grows past that point in a closed loop). Then bisect the
     concurrencies between the highest level that met the SLO and the next level measured: a grid

@@ -24,8 +24,13 @@ HIDDEN, MLP, QKV, LAYERS = 896, 4864, 1152, 24
 
 def decode_graph(rows: int) -> torch.cuda.CUDAGraph:
     torch.manual_seed(0)
-    w = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-          for n, k in ((QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * MLP, HIDDEN), (HIDDEN, MLP))] for _ in range(LAYERS)]
+    w = [
+        [
+            torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+            for n, k in ((QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * MLP, HIDDEN), (HIDDEN, MLP))
+        ]
+        for _ in range(LAYERS)
+    ]
     x = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
 
     def step() -> torch.Tensor:
@@ -73,8 +78,12 @@ def measure(procs: int, rows: int, seconds: float) -> dict:
     for p in ps:
         p.join()
     steps_per_s = sum(n / t for n, t in results)
-    return {"procs": procs, "rows": rows, "steps_per_s": steps_per_s,
-            "layer_step_us": 1e6 / (steps_per_s * LAYERS) if steps_per_s else None}
+    return {
+        "procs": procs,
+        "rows": rows,
+        "steps_per_s": steps_per_s,
+        "layer_step_us": 1e6 / (steps_per_s * LAYERS) if steps_per_s else None,
+    }
 
 
 def main() -> None:
@@ -90,8 +99,11 @@ def main() -> None:
         for procs in map(int, a.procs.split(",")):
             r = measure(procs, rows, a.seconds) | {"label": a.label}
             found.append(r)
-            print(f"{a.label:8} rows {rows:4}  {procs} process(es): {r['steps_per_s']:8.1f} decode steps/s, "
-                  f"{r['layer_step_us']:6.2f} us a layer-step", flush=True)
+            print(
+                f"{a.label:8} rows {rows:4}  {procs} process(es): {r['steps_per_s']:8.1f} decode steps/s, "
+                f"{r['layer_step_us']:6.2f} us a layer-step",
+                flush=True,
+            )
     if a.out:
         with open(a.out, "w") as f:
             json.dump(found, f, indent=1)

@@ -35,7 +35,7 @@ class HFPeerHandler:
         self.tok.pad_token_id = 0
         self.tok.padding_side = "left"  # the last position is every text's last token
         if self.task["task"] == "score":
-            self.labels = [self.tok(l, add_special_tokens=False).input_ids[0] for l in self.task["labels"]]
+            self.labels = [self.tok(label, add_special_tokens=False).input_ids[0] for label in self.task["labels"]]
         self.stop = [self.tok.convert_tokens_to_ids(s) for s in self.task.get("stop", [])]
 
     @torch.inference_mode()
@@ -45,8 +45,9 @@ class HFPeerHandler:
             body = request.get("body") or request.get("data")
             try:
                 body = json.loads(body) if isinstance(body, (bytes, bytearray, str)) else body
-                out.append(json.dumps(self.score(body["texts"]) if self.task["task"] == "score"
-                                      else self.beam(body["prompt"])))
+                out.append(
+                    json.dumps(self.score(body["texts"]) if self.task["task"] == "score" else self.beam(body["prompt"]))
+                )
             except (KeyError, TypeError, ValueError) as e:
                 ctx.set_response_status(400, "Bad Request", i)
                 out.append(json.dumps({"error": str(e)}))
@@ -61,11 +62,27 @@ class HFPeerHandler:
     def beam(self, prompt):
         batch = self.tok([self.template.replace("{prompt}", prompt)], return_tensors="pt").to(self.device)
         w, n = self.task["beam_width"], self.task["new_tokens"]
-        out = self.model.generate(**batch, num_beams=w, num_return_sequences=w, max_new_tokens=n, do_sample=False,
-                                  early_stopping=True, length_penalty=0.0, eos_token_id=self.stop or None,
-                                  pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+        out = self.model.generate(
+            **batch,
+            num_beams=w,
+            num_return_sequences=w,
+            max_new_tokens=n,
+            do_sample=False,
+            early_stopping=True,
+            length_penalty=0.0,
+            eos_token_id=self.stop or None,
+            pad_token_id=0,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
         # as slm answers: each candidate's tokens up to and including its stop token, no padding after
-        new = [ids[: next((i + 1 for i, t in enumerate(ids) if t in self.stop), len(ids))]
-               for ids in out.sequences[:, batch["input_ids"].shape[1]:].tolist()]
-        return {"candidates": [{"text": self.tok.decode(ids, skip_special_tokens=True), "token_ids": ids, "score": s}
-                               for ids, s in zip(new, out.sequences_scores.tolist())]}
+        new = [
+            ids[: next((i + 1 for i, t in enumerate(ids) if t in self.stop), len(ids))]
+            for ids in out.sequences[:, batch["input_ids"].shape[1] :].tolist()
+        ]
+        return {
+            "candidates": [
+                {"text": self.tok.decode(ids, skip_special_tokens=True), "token_ids": ids, "score": s}
+                for ids, s in zip(new, out.sequences_scores.tolist())
+            ]
+        }

@@ -39,8 +39,9 @@ def main() -> None:
     p.add_argument("--cuda-graphs", choices=["on", "off"], default="on")
     args = p.parse_args()
 
-    engine = load_package(args.package, gpu_id=0 if torch.cuda.is_available() else None,
-                          cuda_graphs=args.cuda_graphs == "on")
+    engine = load_package(
+        args.package, gpu_id=0 if torch.cuda.is_available() else None, cuda_graphs=args.cuda_graphs == "on"
+    )
     for name in args.workload.split(","):
         out = Path(args.out.format(workload=name))
         print(name, json.dumps(profile(engine, name, args, out), indent=2))
@@ -58,7 +59,9 @@ def profile(engine, name: str, args, out: Path) -> dict:
     value = engine.task.request(body)
     parts = {
         "json_parse_ms": timed(lambda: json.loads(raw), args.repeat),
-        "tokenize_pack_ms": timed(lambda: engine._pack(engine.task.encode([value]), [engine.task.options(value)]), args.repeat),
+        "tokenize_pack_ms": timed(
+            lambda: engine._pack(engine.task.encode([value]), [engine.task.options(value)]), args.repeat
+        ),
         "end_to_end_in_process_ms (the whole batch)": timed(lambda: respond_batch(engine, batch), args.repeat),
     }
     graph_ms = [respond_batch(engine, batch)[0].stats.graph_ms for _ in range(args.repeat)]
@@ -90,13 +93,16 @@ def profile(engine, name: str, args, out: Path) -> dict:
     kernels = averages.table(sort_by=sort, row_limit=25)
     if torch.cuda.is_available():
         # every kernel and copy, per call: a lever's before and after line up name by name
-        rows = sorted(((e.self_device_time_total / args.repeat, e.count / args.repeat, e.key) for e in on_gpu),
-                      reverse=True)
+        rows = sorted(
+            ((e.self_device_time_total / args.repeat, e.count / args.repeat, e.key) for e in on_gpu), reverse=True
+        )
         kernels += "\n\nEvery kernel per call: us, launches, name\n" + "\n".join(
-            f"{us:10.1f} {count:7.1f}  {name}" for us, count, name in rows)
-    out.write_text(f"{name}, {args.batch} request(s) per call, {args.repeat} repeats, {engine.device}, "
-                   f"CUDA graphs {args.cuda_graphs}\n"
-                   + json.dumps(parts, indent=2) + "\n\n" + kernels + "\n")
+            f"{us:10.1f} {count:7.1f}  {name}" for us, count, name in rows
+        )
+    out.write_text(
+        f"{name}, {args.batch} request(s) per call, {args.repeat} repeats, {engine.device}, "
+        f"CUDA graphs {args.cuda_graphs}\n" + json.dumps(parts, indent=2) + "\n\n" + kernels + "\n"
+    )
     return parts
 
 

@@ -82,6 +82,7 @@ class Probe:
 PYTHON_WORDS = re.compile(r"NoneType|\bdict\b|\bstr\b|\bfloat\b|\bint\b|\blist\b|sys\.|Traceback|Error:")
 MAX_ERROR_BYTES = 1024  # the handler's bound on an error reply, whatever the request
 
+
 def _field(task: str) -> str:
     return "texts" if task == "score" else "prompt"
 
@@ -93,10 +94,22 @@ def _wrap(task: str, value) -> dict:
 def valid_requests(task: str, max_items: int, rng: random.Random, n: int) -> list[Probe]:
     """Well-formed requests within the bounds, with the text a client may legitimately send:
     emoji, combining marks, right-to-left and zero-width characters, escaped control characters."""
-    pieces = ["cheap flights to rome", "naïve café", "日本語のテキスト", "emoji 😀🚀", "e\u0301 combining",
-              "\u202eright to left\u202c", "zero\u200bwidth", "tab\tand\nnewline", "bell \u0007 escaped",
-              "quote \" and backslash \\", "BOM \ufeff inside", "١٢٣ digits", "rome<|im_end|>",
-              "<|im_start|>assistant"]
+    pieces = [
+        "cheap flights to rome",
+        "naïve café",
+        "日本語のテキスト",
+        "emoji 😀🚀",
+        "e\u0301 combining",
+        "\u202eright to left\u202c",
+        "zero\u200bwidth",
+        "tab\tand\nnewline",
+        "bell \u0007 escaped",
+        'quote " and backslash \\',
+        "BOM \ufeff inside",
+        "١٢٣ digits",
+        "rome<|im_end|>",
+        "<|im_start|>assistant",
+    ]
     out = []
     for _ in range(n):
         if task == "score":
@@ -107,8 +120,16 @@ def valid_requests(task: str, max_items: int, rng: random.Random, n: int) -> lis
     return out
 
 
-def bad_requests(task: str, max_items: int, max_tokens: int, rng: random.Random, n: int,
-                 ten_mb: int = 4, near_limit: int = 2, limit: int = 16 * 1024 * 1024) -> list[Probe]:
+def bad_requests(
+    task: str,
+    max_items: int,
+    max_tokens: int,
+    rng: random.Random,
+    n: int,
+    ten_mb: int = 4,
+    near_limit: int = 2,
+    limit: int = 16 * 1024 * 1024,
+) -> list[Probe]:
     """`n` requests that must each get a 4xx JSON error, drawn from every category below (`ten_mb`
     of them 10 MB bodies, `near_limit` of them bodies of long field names just under the
     request-size `limit`, a JSON object's and a form's). For a score task "items" are texts, for
@@ -122,39 +143,99 @@ def bad_requests(task: str, max_items: int, max_tokens: int, rng: random.Random,
         return _wrap(task, [value] if task == "score" else value)
 
     makers = {
-        "invalid JSON": lambda: rng.choice([b"not json", b"{", b"}", b"{'texts': ['a']}", b'{"texts": ["a"]} trailing',
-                                            b'{"texts": ["a",]}', b"nul\x00l", b"NaN", b"[1, 2", b'{"a" 1}']),
+        "invalid JSON": lambda: rng.choice(
+            [
+                b"not json",
+                b"{",
+                b"}",
+                b"{'texts': ['a']}",
+                b'{"texts": ["a"]} trailing',
+                b'{"texts": ["a",]}',
+                b"nul\x00l",
+                b"NaN",
+                b"[1, 2",
+                b'{"a" 1}',
+            ]
+        ),
         "truncated body": lambda: good_body[: rng.randint(1, len(good_body) - 1)],
         "empty body": lambda: rng.choice([b"", b" ", b"\n", b"{}", b"null", b'""', b"[]"]),
-        "wrong type": lambda: json.dumps(_wrap(task, rng.choice(
-            [1, 1.5, None, True, {"a": 1}, [1, 2], [None], [["nested"]], [{"a": "b"}], "a" if task == "score" else ["a"]]
-        ))).encode(),
-        "huge number": lambda: rng.choice([
-            b'{"%s": 1e400}' % field.encode(), b'{"%s": [%s]}' % (field.encode(), b"9" * rng.randint(5000, 50000)),
-            b'{"%s": -1e999}' % field.encode(), b'{"%s": 123456789012345678901234567890}' % field.encode()]),
-        "deep nesting": lambda: rng.choice([
-            b"[" * 100_000 + b"]" * 100_000,
-            b'{"%s": ' % field.encode() + b"[" * 5000 + b"]" * 5000 + b"}",
-            b'{"a": ' * 20_000 + b"1" + b"}" * 20_000]),
-        "invalid unicode": lambda: rng.choice([
-            b'{"%s": ["\xff\xfe"]}' % field.encode(), b'{"%s": "\xc0\xaf"}' % field.encode(),
-            b"\xef\xbb\xbf" + good_body,  # a UTF-8 byte order mark before the JSON
-            json.dumps(item("lone \ud800 surrogate")).encode(),
-            json.dumps(item("\udfff")).encode(), b'{"%s": "\xed\xa0\x80"}' % field.encode()]),
-        "raw control character": lambda: b'{"%s": ["a\x01b"]}' % field.encode() if task == "score"
-        else b'{"prompt": "a\x01b"}',
+        "wrong type": lambda: json.dumps(
+            _wrap(
+                task,
+                rng.choice(
+                    [
+                        1,
+                        1.5,
+                        None,
+                        True,
+                        {"a": 1},
+                        [1, 2],
+                        [None],
+                        [["nested"]],
+                        [{"a": "b"}],
+                        "a" if task == "score" else ["a"],
+                    ]
+                ),
+            )
+        ).encode(),
+        "huge number": lambda: rng.choice(
+            [
+                b'{"%s": 1e400}' % field.encode(),
+                b'{"%s": [%s]}' % (field.encode(), b"9" * rng.randint(5000, 50000)),
+                b'{"%s": -1e999}' % field.encode(),
+                b'{"%s": 123456789012345678901234567890}' % field.encode(),
+            ]
+        ),
+        "deep nesting": lambda: rng.choice(
+            [
+                b"[" * 100_000 + b"]" * 100_000,
+                b'{"%s": ' % field.encode() + b"[" * 5000 + b"]" * 5000 + b"}",
+                b'{"a": ' * 20_000 + b"1" + b"}" * 20_000,
+            ]
+        ),
+        "invalid unicode": lambda: rng.choice(
+            [
+                b'{"%s": ["\xff\xfe"]}' % field.encode(),
+                b'{"%s": "\xc0\xaf"}' % field.encode(),
+                b"\xef\xbb\xbf" + good_body,  # a UTF-8 byte order mark before the JSON
+                json.dumps(item("lone \ud800 surrogate")).encode(),
+                json.dumps(item("\udfff")).encode(),
+                b'{"%s": "\xed\xa0\x80"}' % field.encode(),
+            ]
+        ),
+        "raw control character": lambda: (
+            b'{"%s": ["a\x01b"]}' % field.encode() if task == "score" else b'{"prompt": "a\x01b"}'
+        ),
         "empty or blank text": lambda: json.dumps(item(rng.choice(["", " ", "\t\n", "\u3000"]))).encode(),
-        "over the bounds": lambda: json.dumps(rng.choice([
-            item(long_text), _wrap(task, ["x"] * (max_items + 1) if task == "score" else long_text * 3),
-            _wrap(task, [] if task == "score" else "")])).encode(),
-        "wrong fields": lambda: json.dumps(rng.choice([
-            {other: good}, {field: good, "extra": 1}, {}, {"x" * 1000: 1}, [good], good,
-            {"\ud800": 1}, {field: good, "\udc80 lone surrogate": 1}])).encode(),
+        "over the bounds": lambda: json.dumps(
+            rng.choice(
+                [
+                    item(long_text),
+                    _wrap(task, ["x"] * (max_items + 1) if task == "score" else long_text * 3),
+                    _wrap(task, [] if task == "score" else ""),
+                ]
+            )
+        ).encode(),
+        "wrong fields": lambda: json.dumps(
+            rng.choice(
+                [
+                    {other: good},
+                    {field: good, "extra": 1},
+                    {},
+                    {"x" * 1000: 1},
+                    [good],
+                    good,
+                    {"\ud800": 1},
+                    {field: good, "\udc80 lone surrogate": 1},
+                ]
+            )
+        ).encode(),
         "wrong content type": lambda: b"texts=hello",
         "double-encoded": lambda: json.dumps(good_body.decode()).encode(),
         "encoded body": lambda: gzip.compress(good_body),
-        "long field names": lambda: json.dumps({"k" * rng.randint(1000, 20000) + str(i): 1
-                                                for i in range(rng.randint(1, 50))}).encode(),
+        "long field names": lambda: json.dumps(
+            {"k" * rng.randint(1000, 20000) + str(i): 1 for i in range(rng.randint(1, 50))}
+        ).encode(),
     }
     types = {"wrong content type": "application/x-www-form-urlencoded"}
     kinds = sorted(makers)
@@ -163,8 +244,13 @@ def bad_requests(task: str, max_items: int, max_tokens: int, rng: random.Random,
     name = (limit - 4096) // 6  # six names: echoing five would exceed TorchServe's largest reply
     for i in range(near_limit):
         if i % 2:
-            out.append(Probe(b"&".join(b"f%d" % j + b"x" * name + b"=1" for j in range(6)),
-                             "near the size limit", "application/x-www-form-urlencoded"))
+            out.append(
+                Probe(
+                    b"&".join(b"f%d" % j + b"x" * name + b"=1" for j in range(6)),
+                    "near the size limit",
+                    "application/x-www-form-urlencoded",
+                )
+            )
         else:
             out.append(Probe(json.dumps({f"{j}" + "x" * name: 1 for j in range(6)}).encode(), "near the size limit"))
     while len(out) < n:
@@ -195,8 +281,12 @@ class Tolerance(NamedTuple):
     def of_precision(cls, precision: str) -> "Tolerance":
         from slm_core.tasks import BeamTask, LabelsTask
 
-        return cls(LabelsTask.tolerance[precision], BeamTask.tolerance[precision], BeamTask.min_shared[precision],
-                   same_order=False)
+        return cls(
+            LabelsTask.tolerance[precision],
+            BeamTask.tolerance[precision],
+            BeamTask.min_shared[precision],
+            same_order=False,
+        )
 
 
 def difference(a: dict, b: dict) -> tuple[float, float]:
@@ -207,7 +297,9 @@ def difference(a: dict, b: dict) -> tuple[float, float]:
             return math.inf, 0.0
         return max((abs(x - y) for r, t in zip(a["scores"], b["scores"]) for x, y in zip(r, t)), default=0.0), 1.0
     theirs = {tuple(c["token_ids"]): c["score"] for c in b.get("candidates", [])}
-    shared = [abs(c["score"] - theirs[tuple(c["token_ids"])]) for c in a["candidates"] if tuple(c["token_ids"]) in theirs]
+    shared = [
+        abs(c["score"] - theirs[tuple(c["token_ids"])]) for c in a["candidates"] if tuple(c["token_ids"]) in theirs
+    ]
     return max(shared, default=0.0), len(shared) / max(1, len(a["candidates"]))
 
 
@@ -217,12 +309,21 @@ def judge(a: dict, b: dict, tolerance: Tolerance) -> tuple[bool, float, float]:
     if "scores" in a:
         return worst <= tolerance.score, worst, shared
     ordered = not tolerance.same_order or [c["token_ids"] for c in a["candidates"]] == [
-        c["token_ids"] for c in b.get("candidates", [])]
+        c["token_ids"] for c in b.get("candidates", [])
+    ]
     return ordered and worst <= tolerance.beam_score and shared >= tolerance.min_shared, worst, shared
 
 
-def run(url: str, management: str, model: str, bad: list[Probe], valid: list[Probe], threads: int = 4,
-        timeout: float = 60.0, tolerance: Tolerance = Tolerance()) -> dict:
+def run(
+    url: str,
+    management: str,
+    model: str,
+    bad: list[Probe],
+    valid: list[Probe],
+    threads: int = 4,
+    timeout: float = 60.0,
+    tolerance: Tolerance = Tolerance(),
+) -> dict:
     """Send `valid` alone, twice over (their reference answers, and whether the same request alone
     gets the same bytes again, from the same worker or another), then all of bad + valid shuffled
     together from `threads` threads. Returns the figures (for the valid ones: how many answered the
@@ -246,9 +347,15 @@ def run(url: str, management: str, model: str, bad: list[Probe], valid: list[Pro
             repeats += 1
             other_worker += worker != alone[p.body][1]
             if body != alone[p.body][0]:
-                failures.append({"kind": "valid alone, again", "status": status, "workers": [alone[p.body][1], worker],
-                                 "body": p.body[:120].decode("utf-8", "replace"),
-                                 "answer": body[:300].decode("utf-8", "replace")})
+                failures.append(
+                    {
+                        "kind": "valid alone, again",
+                        "status": status,
+                        "workers": [alone[p.body][1], worker],
+                        "body": p.body[:120].decode("utf-8", "replace"),
+                        "answer": body[:300].decode("utf-8", "replace"),
+                    }
+                )
     alone = {k: body for k, (body, _) in alone.items()}
     probes = bad + valid
     random.Random(0).shuffle(probes)
@@ -281,21 +388,38 @@ def run(url: str, management: str, model: str, bad: list[Probe], valid: list[Pro
                 slowest = max(slowest, ms)
                 # ours: {"error": ...}, bounded, in JSON's terms; TorchServe's own: {"code", "type",
                 # "message"}; its 413 is bare
-                ok = status == 413 or (400 <= status < 500 and isinstance(answer, dict)
-                                       and ("error" in answer or "message" in answer))
+                ok = status == 413 or (
+                    400 <= status < 500 and isinstance(answer, dict) and ("error" in answer or "message" in answer)
+                )
                 if ok and "error" in answer:
                     ok = len(body) <= MAX_ERROR_BYTES and not PYTHON_WORDS.search(str(answer["error"]))
             if not ok:
-                failures.append({"kind": p.kind, "status": status, "body": p.body[:120].decode("utf-8", "replace"),
-                                 "answer": body[:300].decode("utf-8", "replace")})
+                failures.append(
+                    {
+                        "kind": p.kind,
+                        "status": status,
+                        "body": p.body[:120].decode("utf-8", "replace"),
+                        "answer": body[:300].decode("utf-8", "replace"),
+                    }
+                )
     after = worker_pids(management, model)
-    return {"bad": len(bad), "valid": len(valid), "kinds": dict(Counter(p.kind for p in bad)),
-            "statuses": {str(k): v for k, v in sorted(statuses.items())}, "seconds": time.perf_counter() - begin,
-            "slowest_bad_ms": slowest, "worker_restarts": int(after != pids),
-            "valid_identical": identical, "valid_max_abs_diff": worst, "valid_min_shared": least_shared,
-            "alone_repeats": repeats, "alone_repeats_by_another_worker": other_worker,
-            "alone_workers": sorted(w for w in workers if w),
-            "tolerance": tolerance._asdict(), "failures": failures}
+    return {
+        "bad": len(bad),
+        "valid": len(valid),
+        "kinds": dict(Counter(p.kind for p in bad)),
+        "statuses": {str(k): v for k, v in sorted(statuses.items())},
+        "seconds": time.perf_counter() - begin,
+        "slowest_bad_ms": slowest,
+        "worker_restarts": int(after != pids),
+        "valid_identical": identical,
+        "valid_max_abs_diff": worst,
+        "valid_min_shared": least_shared,
+        "alone_repeats": repeats,
+        "alone_repeats_by_another_worker": other_worker,
+        "alone_workers": sorted(w for w in workers if w),
+        "tolerance": tolerance._asdict(),
+        "failures": failures,
+    }
 
 
 class Record(NamedTuple):
@@ -306,9 +430,17 @@ class Record(NamedTuple):
     lag_ms: float  # how late the generator sent it: a client-side delay no server figure holds
 
 
-def open_loop(url: str, bodies: list[bytes], phases: list[tuple[float, float]], timeout: float = 30.0,
-              deadline_ms: float | None = None, processes: int | None = None, on_start=None,
-              on_records=None, report_s: float = 30.0) -> list[Record]:
+def open_loop(
+    url: str,
+    bodies: list[bytes],
+    phases: list[tuple[float, float]],
+    timeout: float = 30.0,
+    deadline_ms: float | None = None,
+    processes: int | None = None,
+    on_start=None,
+    on_records=None,
+    report_s: float = 30.0,
+) -> list[Record]:
     """Requests at each phase's (rate per second, seconds), one phase after the other, each sent on
     schedule whatever the others are doing (open loop; no client-side limit on connections), from
     `processes` generator processes that take turns in the schedule (default: one per
@@ -326,10 +458,14 @@ def open_loop(url: str, bodies: list[bytes], phases: list[tuple[float, float]], 
     processes = processes or max(1, min(math.ceil(fastest / RATE_PER_PROCESS), (os.cpu_count() or 1) - 2))
     ctx = multiprocessing.get_context("spawn")  # no fork of this process's threads (Memory's, a fault timer)
     ready, results = ctx.Barrier(processes + 1), ctx.Queue()
-    parts = [ctx.Process(target=_open_loop_part, daemon=True,
-                         args=(url, bodies, due[k::processes], k, processes, timeout, deadline_ms, report_s, ready,
-                               results))
-             for k in range(processes)]
+    parts = [
+        ctx.Process(
+            target=_open_loop_part,
+            daemon=True,
+            args=(url, bodies, due[k::processes], k, processes, timeout, deadline_ms, report_s, ready, results),
+        )
+        for k in range(processes)
+    ]
     for part in parts:
         part.start()
     ready.wait(STARTUP_S)  # every generator started: the schedule starts now, in all at once
@@ -353,8 +489,18 @@ RATE_PER_PROCESS = 150  # req/s one aiohttp event loop sends on schedule, with r
 STARTUP_S = 60.0  # a generator process not ready by then has failed
 
 
-def _open_loop_part(url: str, bodies: list[bytes], due: list[float], part: int, parts: int, timeout: float,
-                    deadline_ms: float | None, report_s: float, ready, results) -> None:
+def _open_loop_part(
+    url: str,
+    bodies: list[bytes],
+    due: list[float],
+    part: int,
+    parts: int,
+    timeout: float,
+    deadline_ms: float | None,
+    report_s: float,
+    ready,
+    results,
+) -> None:
     """open_loop's generator `part` of `parts`: the requests due at `due` (s from the start),
     request i of the schedule at due[i // parts] with body i. Its answers go to `results` in chunks,
     about every `report_s` seconds, as (part, the schedule's time then, answers); inf at the end."""
@@ -372,6 +518,7 @@ def _open_loop_part(url: str, bodies: list[bytes], due: list[float], part: int, 
 
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+
             async def one(body: bytes, at: float, scheduled: float):
                 sent = time.perf_counter()
                 headers = {"Content-Type": JSON}
@@ -382,7 +529,7 @@ def _open_loop_part(url: str, bodies: list[bytes], due: list[float], part: int, 
                     async with session.post(url, data=body, headers=headers) as r:
                         await r.read()
                         status, worker = r.status, r.headers.get("X-Slm-Worker", "")
-                except (aiohttp.ClientError, asyncio.TimeoutError):
+                except (TimeoutError, aiohttp.ClientError):
                     status = 0
                 out.append(Record(at, (time.perf_counter() - sent) * 1e3, status, worker, (sent - scheduled) * 1e3))
                 if time.perf_counter() - handed[0] > report_s:
@@ -434,7 +581,7 @@ class Memory:
             for pid in pids:
                 try:
                     status = Path(f"/proc/{pid}/status").read_text()
-                    rss += int(next(l for l in status.splitlines() if l.startswith("VmRSS")).split()[1]) / 1024
+                    rss += int(next(s for s in status.splitlines() if s.startswith("VmRSS")).split()[1]) / 1024
                 except (OSError, StopIteration):
                     pass
             self.samples.append((time.perf_counter() - self.start, rss, _gpu_mib(pids)))
@@ -451,12 +598,17 @@ class Memory:
 
 def _gpu_mib(pids: list[str]) -> float | None:
     try:
-        text = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                              capture_output=True, text=True, timeout=5).stdout
+        text = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return sum(float(m) for p, m in (line.split(",") for line in text.strip().splitlines() if "," in line)
-               if p.strip() in pids)
+    return sum(
+        float(m) for p, m in (line.split(",") for line in text.strip().splitlines() if "," in line) if p.strip() in pids
+    )
 
 
 def summary(records: list[Record], seconds: float, deadline_ms: float | None = None) -> dict:
@@ -469,15 +621,23 @@ def summary(records: list[Record], seconds: float, deadline_ms: float | None = N
     def pct(values, q):
         return percentile(values, q) if values else None
 
-    return {"offered_per_s": len(records) / seconds, "answered_per_s": len(ok) / seconds,
-            "admitted_mean_ms": statistics.fmean(ok) if ok else None, "admitted_p50_ms": pct(ok, 50),
-            "admitted_p99_ms": pct(ok, 99), "refused": len(refused), "refused_p50_ms": pct(refused, 50),
-            "refused_p99_ms": pct(refused, 99), "refused_max_ms": refused[-1] if refused else None,
-            "refused_queue_full": sum(r.status in (429, 503) for r in records),
-            "refused_deadline": sum(r.status == 504 for r in records),
-            **({"answered_after_deadline": sum(ms > deadline_ms for ms in ok)} if deadline_ms is not None else {}),
-            "other_statuses": dict(Counter(str(r.status) for r in records if r.status not in (200, 429, 503, 504))),
-            "send_lag_p99_ms": pct(lag, 99), "send_lag_max_ms": lag[-1] if lag else None}
+    return {
+        "offered_per_s": len(records) / seconds,
+        "answered_per_s": len(ok) / seconds,
+        "admitted_mean_ms": statistics.fmean(ok) if ok else None,
+        "admitted_p50_ms": pct(ok, 50),
+        "admitted_p99_ms": pct(ok, 99),
+        "refused": len(refused),
+        "refused_p50_ms": pct(refused, 50),
+        "refused_p99_ms": pct(refused, 99),
+        "refused_max_ms": refused[-1] if refused else None,
+        "refused_queue_full": sum(r.status in (429, 503) for r in records),
+        "refused_deadline": sum(r.status == 504 for r in records),
+        **({"answered_after_deadline": sum(ms > deadline_ms for ms in ok)} if deadline_ms is not None else {}),
+        "other_statuses": dict(Counter(str(r.status) for r in records if r.status not in (200, 429, 503, 504))),
+        "send_lag_p99_ms": pct(lag, 99),
+        "send_lag_max_ms": lag[-1] if lag else None,
+    }
 
 
 def p99_per_second(records: list[Record], seconds: float) -> list[float | None]:
@@ -485,8 +645,17 @@ def p99_per_second(records: list[Record], seconds: float) -> list[float | None]:
     return [summary([r for r in records if k <= r.sent < k + 1], 1)["admitted_p99_ms"] for k in range(int(seconds))]
 
 
-def overload(url: str, management: str, model: str, bodies: list[bytes], capacity: float, seconds: float,
-             factor: float = 3.0, settle: float = 10.0, deadline_ms: float | None = None) -> dict:
+def overload(
+    url: str,
+    management: str,
+    model: str,
+    bodies: list[bytes],
+    capacity: float,
+    seconds: float,
+    factor: float = 3.0,
+    settle: float = 10.0,
+    deadline_ms: float | None = None,
+) -> dict:
     """0.8x capacity for `settle` s, factor x capacity for `seconds`, 0.8x again for `settle` s
     (recovery: also per second), one schedule without a pause between them, with the workers'
     memory over each phase; with deadline_ms, every request carries that deadline."""
@@ -494,8 +663,13 @@ def overload(url: str, management: str, model: str, bodies: list[bytes], capacit
     result: dict = {"capacity": capacity, "factor": factor, "deadline_ms": deadline_ms}
     started: list[float] = []
     with Memory(management, model) as memory:
-        records = open_loop(url, bodies, [(x * capacity, secs) for _, x, secs in phases], deadline_ms=deadline_ms,
-                            on_start=lambda: started.append(time.perf_counter() - memory.start))
+        records = open_loop(
+            url,
+            bodies,
+            [(x * capacity, secs) for _, x, secs in phases],
+            deadline_ms=deadline_ms,
+            on_start=lambda: started.append(time.perf_counter() - memory.start),
+        )
     begin = 0.0
     for name, _, secs in phases:
         mine = [r._replace(sent=r.sent - begin) for r in records if begin <= r.sent < begin + secs]
@@ -507,8 +681,17 @@ def overload(url: str, management: str, model: str, bodies: list[bytes], capacit
     return result
 
 
-def soak(url: str, management: str, model: str, bodies: list[bytes], capacity: float, seconds: float,
-         window: float = 60.0, on_window=None, timeout: float = 30.0) -> dict:
+def soak(
+    url: str,
+    management: str,
+    model: str,
+    bodies: list[bytes],
+    capacity: float,
+    seconds: float,
+    window: float = 60.0,
+    on_window=None,
+    timeout: float = 30.0,
+) -> dict:
     """0.8x capacity for `seconds`, reported per window of `window` seconds: latency and memory;
     and the workers' pids before and after (a restarted worker has a new one). on_window(report)
     gets the report so far each time a window's requests have all been answered."""
@@ -521,11 +704,20 @@ def soak(url: str, management: str, model: str, bodies: list[bytes], capacity: f
             k = len(windows)
             if until < (k + 1) * window + timeout:  # a request of the window may still be answered
                 break
-            windows.append({"from_s": k * window,
-                            **summary([r for r in records if k * window <= r.sent < (k + 1) * window], window),
-                            **memory.between(started[0] + k * window, started[0] + (k + 1) * window)})
-        return {"capacity": capacity, "rate": 0.8 * capacity, "seconds": seconds, "windows": windows[:],
-                "workers_before": before}
+            windows.append(
+                {
+                    "from_s": k * window,
+                    **summary([r for r in records if k * window <= r.sent < (k + 1) * window], window),
+                    **memory.between(started[0] + k * window, started[0] + (k + 1) * window),
+                }
+            )
+        return {
+            "capacity": capacity,
+            "rate": 0.8 * capacity,
+            "seconds": seconds,
+            "windows": windows[:],
+            "workers_before": before,
+        }
 
     def progress(records: list[Record], until: float) -> None:
         done = len(windows)
@@ -534,14 +726,28 @@ def soak(url: str, management: str, model: str, bodies: list[bytes], capacity: f
             on_window(now)
 
     with Memory(management, model) as memory:
-        records = open_loop(url, bodies, [(0.8 * capacity, seconds)], timeout=timeout,
-                            on_start=lambda: started.append(time.perf_counter() - memory.start), on_records=progress,
-                            report_s=min(30.0, window / 2))
+        records = open_loop(
+            url,
+            bodies,
+            [(0.8 * capacity, seconds)],
+            timeout=timeout,
+            on_start=lambda: started.append(time.perf_counter() - memory.start),
+            on_records=progress,
+            report_s=min(30.0, window / 2),
+        )
     return {**report(records), "workers_after": worker_pids(management, model)}
 
 
-def fault(url: str, management: str, model: str, bodies: list[bytes], capacity: float, inject, seconds: float,
-          lead: float = 5.0) -> dict:
+def fault(
+    url: str,
+    management: str,
+    model: str,
+    bodies: list[bytes],
+    capacity: float,
+    inject,
+    seconds: float,
+    lead: float = 5.0,
+) -> dict:
     """0.8x capacity for `seconds`; `lead` s in, inject() (a thread: kill a worker, or fault the GPU
     beside the workers) returns what it did. Counts what failed, split into the requests sent
     before the fault (in flight at it) and after it; when the first request answered by a new
@@ -551,23 +757,37 @@ def fault(url: str, management: str, model: str, bodies: list[bytes], capacity: 
     report: dict = {}
     timer = threading.Timer(lead, lambda: report.update(inject(before)))
     started: list[float] = []
-    records = open_loop(url, bodies, [(0.8 * capacity, seconds)],
-                        on_start=lambda: (started.append(time.time()), timer.start()))
+    records = open_loop(
+        url, bodies, [(0.8 * capacity, seconds)], on_start=lambda: (started.append(time.time()), timer.start())
+    )
     timer.join()
     at = report.pop("at") - started[0]  # the fault, in the open loop's seconds
     failed = [(r.sent - at, r.ms, r.status) for r in records if r.status != 200]
-    new = [r.sent + r.ms / 1e3 - at for r in records
-           if r.status == 200 and r.worker and r.worker not in before and r.sent >= at]
-    return {"capacity": capacity, "rate": 0.8 * capacity, "seconds": seconds, "fault_at_s": at, **report,
-            "workers_before": before, "workers_after": worker_pids(management, model),
-            "requests": len(records), "failed": len(failed),
-            "failed_in_flight": sum(t < 0 for t, _, _ in failed), "failed_after": sum(t >= 0 for t, _, _ in failed),
-            "failed_statuses": dict(Counter(str(s) for _, _, s in failed)),
-            "last_failure_answered_s": max((t + ms / 1e3 for t, ms, _ in failed), default=None),
-            "first_answer_by_a_new_worker_s": min(new, default=None),
-            "statuses_per_second": [dict(Counter(str(r.status) for r in records if k <= r.sent < k + 1))
-                                    for k in range(int(seconds))],
-            "p99_ms_per_second": p99_per_second(records, seconds)}
+    new = [
+        r.sent + r.ms / 1e3 - at
+        for r in records
+        if r.status == 200 and r.worker and r.worker not in before and r.sent >= at
+    ]
+    return {
+        "capacity": capacity,
+        "rate": 0.8 * capacity,
+        "seconds": seconds,
+        "fault_at_s": at,
+        **report,
+        "workers_before": before,
+        "workers_after": worker_pids(management, model),
+        "requests": len(records),
+        "failed": len(failed),
+        "failed_in_flight": sum(t < 0 for t, _, _ in failed),
+        "failed_after": sum(t >= 0 for t, _, _ in failed),
+        "failed_statuses": dict(Counter(str(s) for _, _, s in failed)),
+        "last_failure_answered_s": max((t + ms / 1e3 for t, ms, _ in failed), default=None),
+        "first_answer_by_a_new_worker_s": min(new, default=None),
+        "statuses_per_second": [
+            dict(Counter(str(r.status) for r in records if k <= r.sent < k + 1)) for k in range(int(seconds))
+        ],
+        "p99_ms_per_second": p99_per_second(records, seconds),
+    }
 
 
 def kill_worker(workers: list[str]) -> dict:
@@ -585,8 +805,13 @@ def gpu_fault(workers: list[str]) -> dict:
     said = (run.stdout + run.stderr).strip()
     launched = re.search(r"launched at ([0-9.]+)", said)  # the bad kernel's launch, by this host's clock
     time.sleep(1.0)
-    return {"at": float(launched.group(1)) if launched else time.time(), "fault_exit": run.returncode,
-            "fault_said": said[-600:], "mps_servers_before": servers, "mps_servers_after": _mps_servers()}
+    return {
+        "at": float(launched.group(1)) if launched else time.time(),
+        "fault_exit": run.returncode,
+        "fault_said": said[-600:],
+        "mps_servers_before": servers,
+        "mps_servers_after": _mps_servers(),
+    }
 
 
 def _mps_servers() -> list[str]:
@@ -607,8 +832,9 @@ def measured_capacity(url: str, bodies: list[bytes]) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("steps", help="fuzz, overload, soak, kill or gpu-fault; several comma-separated run one after "
-                   "the other")
+    p.add_argument(
+        "steps", help="fuzz, overload, soak, kill or gpu-fault; several comma-separated run one after the other"
+    )
     p.add_argument("--url", help="the model's predictions URL (a running TorchServe)")
     p.add_argument("--management", help="TorchServe's management address")
     p.add_argument("--model")
@@ -625,10 +851,15 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=4)
     p.add_argument("--capacity", type=float, help="req/s at the SLO (default: measured first)")
     p.add_argument("--seconds", type=float, default=60.0)
-    p.add_argument("--deadline-ms", type=float, help="overload: every request carries this deadline (X-Slm-Deadline-Ms, "
-                   "its send time as X-Request-Start); the result counts refusals by reason and answers after it")
-    p.add_argument("--fault-seconds", type=float, default=60.0, help="kill, gpu-fault: the load's seconds (the "
-                   "fault 5 s in)")
+    p.add_argument(
+        "--deadline-ms",
+        type=float,
+        help="overload: every request carries this deadline (X-Slm-Deadline-Ms, "
+        "its send time as X-Request-Start); the result counts refusals by reason and answers after it",
+    )
+    p.add_argument(
+        "--fault-seconds", type=float, default=60.0, help="kill, gpu-fault: the load's seconds (the fault 5 s in)"
+    )
     p.add_argument("--out", type=Path, help="also write the JSON result here")
     args = p.parse_args()
     steps = args.steps.split(",")
@@ -643,8 +874,12 @@ def main() -> None:
         serving, manifest = read_serving(args.archive), read_manifest(args.archive)
         precision = manifest["task"]["precision"]
         args.workers = args.workers or serving.workers
-        results["served"] = {"workers": args.workers, "batchSize": serving.batch, "queue": serving.queue,
-                             "precision": precision}
+        results["served"] = {
+            "workers": args.workers,
+            "batchSize": serving.batch,
+            "queue": serving.queue,
+            "precision": precision,
+        }
         tolerance = Tolerance.of_precision(precision)
         server = TorchServe(Path(tempfile.mkdtemp(prefix="reliability-")), args.archive.parent).start()
         args.model = args.archive.stem
@@ -666,25 +901,36 @@ def main() -> None:
         for name in steps:
             print(f"[reliability {time.strftime('%H:%M:%S')}] {name}", flush=True)
             if name == "fuzz":
-                results[name] = run(args.url, args.management, args.model,
-                                    bad_requests(args.task, args.max_items, args.max_tokens, rng, args.bad), valid,
-                                    args.threads, tolerance=tolerance)
+                results[name] = run(
+                    args.url,
+                    args.management,
+                    args.model,
+                    bad_requests(args.task, args.max_items, args.max_tokens, rng, args.bad),
+                    valid,
+                    args.threads,
+                    tolerance=tolerance,
+                )
                 continue
             capacity = capacity or measured_capacity(args.url, bodies)
             if not capacity:
                 raise SystemExit("no concurrency met the SLO (mean < 20 ms, P99 < 80 ms): pass --capacity R")
             if name == "overload":
-                results[name] = overload(args.url, args.management, args.model, bodies, capacity, args.seconds,
-                                         deadline_ms=args.deadline_ms)
+                results[name] = overload(
+                    args.url, args.management, args.model, bodies, capacity, args.seconds, deadline_ms=args.deadline_ms
+                )
             elif name in FAULTS:
-                results[name] = fault(args.url, args.management, args.model, bodies, capacity, FAULTS[name],
-                                      args.fault_seconds)
+                results[name] = fault(
+                    args.url, args.management, args.model, bodies, capacity, FAULTS[name], args.fault_seconds
+                )
             else:
+
                 def partial(report: dict, name=name) -> None:  # a run cut short keeps the minutes it finished
                     if args.out:
                         args.out.write_text(json.dumps({**results, name: report}, indent=1, ensure_ascii=False) + "\n")
-                results[name] = soak(args.url, args.management, args.model, bodies, capacity, args.seconds,
-                                     on_window=partial)
+
+                results[name] = soak(
+                    args.url, args.management, args.model, bodies, capacity, args.seconds, on_window=partial
+                )
             if args.out:  # after every step: a run cut short keeps the steps it finished
                 args.out.write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
     finally:

@@ -8,9 +8,9 @@ CPU smoke (CI, SmolLM2, seconds of load):  python -m bench.run --smoke --out DIR
 import argparse
 import concurrent.futures
 import contextlib
-import http.client as http_client
 import dataclasses
 import datetime
+import http.client as http_client
 import json
 import os
 import re
@@ -73,11 +73,34 @@ def slm_build(name: str, checkpoint: Path, task: dict, store: Path, device: str,
     if (store / f"{name}.mar").exists():
         return None
     (work / f"{name}.yaml").write_text(yaml.safe_dump(task))
-    return [sys.executable, "-m", "archiver", "build", "--checkpoint", str(checkpoint), "--task",
-            str(work / f"{name}.yaml"), "--model-name", name, "--export-path", str(store), "--device", device,
-            "--response-timeout", "600", "--workers", "1"] + (  # each deployment sets its own workers
-            ["--device-ids", "0"] if device == "cuda" else []) + (  # one GPU unless a deployment says gN
-            ["--fp8-max-diff", "1", "--fp8-min-shared", "0"] if task["precision"].startswith("fp8") else [])
+    return (
+        [
+            sys.executable,
+            "-m",
+            "archiver",
+            "build",
+            "--checkpoint",
+            str(checkpoint),
+            "--task",
+            str(work / f"{name}.yaml"),
+            "--model-name",
+            name,
+            "--export-path",
+            str(store),
+            "--device",
+            device,
+            "--response-timeout",
+            "600",
+            "--workers",
+            "1",
+        ]
+        + (  # each deployment sets its own workers
+            ["--device-ids", "0"] if device == "cuda" else []
+        )
+        + (  # one GPU unless a deployment says gN
+            ["--fp8-max-diff", "1", "--fp8-min-shared", "0"] if task["precision"].startswith("fp8") else []
+        )
+    )
 
 
 def gate_passes(gate: dict) -> bool:
@@ -93,6 +116,7 @@ def build_all(commands: dict[str, list[str]], jobs: int, work: Path) -> set[str]
     C++ and Triton compiles, so independent archives overlap well on a many-core host). Each build
     logs to work/build-<name>.log; its archiver lines are echoed when it ends. Returns the names that
     failed (their tail is logged): the run goes on without them."""
+
     def one(name: str, argv: list[str]) -> bool:
         path = work / f"build-{name}.log"
         start = time.monotonic()
@@ -123,12 +147,27 @@ def archive_handler(name: str, handler: Path, extra: dict, store: Path, device: 
     for file, content in extra.items():
         (stage / file).write_text(json.dumps(content))
     config = work / f"{name}-config.yaml"
-    serving = ServingSpec("cuda" if device == "cuda" else "cpu", workers=1, batch=1, queue=100, response_timeout_s=600,
-                          device_ids=(0,) if device == "cuda" else ())
+    serving = ServingSpec(
+        "cuda" if device == "cuda" else "cpu",
+        workers=1,
+        batch=1,
+        queue=100,
+        response_timeout_s=600,
+        device_ids=(0,) if device == "cuda" else (),
+    )
     config.write_text(yaml.safe_dump(serving.model_config()))
-    generate_model_archive(ModelArchiverConfig(
-        model_name=name, handler=str(handler), version="1.0", extra_files=str(stage), export_path=str(store),
-        archive_format="zip-store", force=True, config_file=str(config)))
+    generate_model_archive(
+        ModelArchiverConfig(
+            model_name=name,
+            handler=str(handler),
+            version="1.0",
+            extra_files=str(stage),
+            export_path=str(store),
+            archive_format="zip-store",
+            force=True,
+            config_file=str(config),
+        )
+    )
 
 
 def workload_task(workload: Workload, tokenizer: Tokenizer) -> Task:
@@ -150,20 +189,27 @@ def main() -> None:
     p.add_argument("--out", default=str(BENCH / "results"))
     p.add_argument("--workloads", default="W1,W2,W3")
     p.add_argument("--systems", default="slm,hf")
-    p.add_argument("--slm", help="slm deployments to measure, comma-separated WORKERS:BATCH[:OPTION...], e.g. 2:8 "
-                                 "(BATCH: the task's max_batch, requests per graph call, split between the workers "
-                                 "of a GPU as the archiver splits it). Options: fp8static (built with precision "
-                                 "fp8-static), nographs (the same archive served without CUDA graphs), gN (the "
-                                 "workers spread over GPUs 0..N-1 in turn; otherwise all on GPU 0), e.g. 4:8:g2, "
-                                 "score / beam (the deployment serves only that task's archives). "
-                                 "Default: 1:1,1:1:nographs on cuda, 1:1 on cpu")
+    p.add_argument(
+        "--slm",
+        help="slm deployments to measure, comma-separated WORKERS:BATCH[:OPTION...], e.g. 2:8 "
+        "(BATCH: the task's max_batch, requests per graph call, split between the workers "
+        "of a GPU as the archiver splits it). Options: fp8static (built with precision "
+        "fp8-static), nographs (the same archive served without CUDA graphs), gN (the "
+        "workers spread over GPUs 0..N-1 in turn; otherwise all on GPU 0), e.g. 4:8:g2, "
+        "score / beam (the deployment serves only that task's archives). "
+        "Default: 1:1,1:1:nographs on cuda, 1:1 on cpu",
+    )
     p.add_argument("--levels", default=",".join(map(str, LEVELS)), help="concurrency levels swept")
     p.add_argument("--hf-workers", default="1,4", help="peer worker counts to try; the best is kept")
     p.add_argument("--warmup", type=float, default=2.0)
     p.add_argument("--duration", type=float, default=6.0)
-    p.add_argument("--prewarm", type=float, default=0.5,
-                   help="seconds per concurrency of an unrecorded pass before each sweep, up to 2 x batch x workers "
-                        "in flight: each worker has seen each batch size once")
+    p.add_argument(
+        "--prewarm",
+        type=float,
+        default=0.5,
+        help="seconds per concurrency of an unrecorded pass before each sweep, up to 2 x batch x workers "
+        "in flight: each worker has seen each batch size once",
+    )
     p.add_argument("--requests", type=int, default=64, help="distinct request bodies per workload")
     p.add_argument("--jobs", type=int, default=1, help="archives built at once")
     p.add_argument("--build-only", action="store_true", help="build the archives into --work and stop")
@@ -180,13 +226,20 @@ def main() -> None:
     workloads, checkpoints, tokenizers, specs = plan(args, work)
     systems = args.systems.split(",")
     levels = [int(c) for c in args.levels.split(",")]
-    variants = [parse_variant(v) for v in (args.slm or ("1:1,1:1:nographs" if args.device == "cuda"
-                                                          else "1:1")).split(",")]
+    variants = [
+        parse_variant(v) for v in (args.slm or ("1:1,1:1:nographs" if args.device == "cuda" else "1:1")).split(",")
+    ]
     hf_workers = [int(n) for n in args.hf_workers.split(",")]
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H%M%SZ")
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H%M%SZ")
     results = out / f"{stamp}_{'smoke' if args.smoke else 'bench'}.jsonl"
-    meta = {"commit": args.commit, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-            "torch": torch.__version__, "date": stamp, "host_gpus": torch.cuda.device_count(), "mps": mps_running()}
+    meta = {
+        "commit": args.commit,
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "date": stamp,
+        "host_gpus": torch.cuda.device_count(),
+        "mps": mps_running(),
+    }
 
     # One archive per model (W2 and W3 share one) and build option; deployments choose workers.
     deployments, builds = [], {}
@@ -200,15 +253,29 @@ def main() -> None:
                     builds[mar] = argv
                 # served from a copy of the archive configured by the archiver for these workers and options
                 served = mar + ("_nographs" if v.nographs else "") + (f"_g{v.gpus}" if v.gpus > 1 else "")
-                d = Deployment("slm", f"{served}_x{v.workers}", f"{served}_x{v.workers}.mar", v.workers, v.batch,
-                               cuda_graphs=not v.nographs, gpus=v.gpus, built=f"{mar}.mar", precision=precision)
+                d = Deployment(
+                    "slm",
+                    f"{served}_x{v.workers}",
+                    f"{served}_x{v.workers}.mar",
+                    v.workers,
+                    v.batch,
+                    cuda_graphs=not v.nographs,
+                    gpus=v.gpus,
+                    built=f"{mar}.mar",
+                    precision=precision,
+                )
                 if d not in deployments:
                     deployments.append(d)
         # the peer scores label tokens only, and constrains no beam to a catalog
         if "hf" in systems and w.task.get("head", "labels") == "labels" and "catalog" not in w.task:
-            archive_handler(f"hf_{model}", BENCH / "peer_handler.py",
-                            {"peer.json": {"checkpoint": str(checkpoints[w.name]), "task": w.task}},
-                            store, args.device, work)
+            archive_handler(
+                f"hf_{model}",
+                BENCH / "peer_handler.py",
+                {"peer.json": {"checkpoint": str(checkpoints[w.name]), "task": w.task}},
+                store,
+                args.device,
+                work,
+            )
             deployments += [Deployment("hf", f"hf_{model}_x{n}", f"hf_{model}.mar", n) for n in hf_workers]
     archive_handler("noop", BENCH / "noop_handler.py", {}, store, "cpu", work)
     failed = set(builds) if args.no_build else build_all(builds, args.jobs, work)
@@ -237,26 +304,45 @@ def main() -> None:
 
     def record(d: Deployment, workload: str, point, flops_per_request: float, fp8_per_request: float = 0.0) -> None:
         before, totals[d.name] = totals.get(d.name, {}), frontend_totals(server, d.name)
-        rec = {"system": d.system, "kernels": kernels.get(d.built), "batch": d.batch, "cuda_graphs": d.cuda_graphs,
-               "gpus": d.gpus, "worker_gpus": placed.get(d.name), **served_settings(store / d.mar, d),
-               "workload": workload, **frontend_means(before, totals[d.name]),
-               "workers": d.workers, **dataclasses.asdict(point), **meta, "flops_per_request": flops_per_request,
-               "precision": d.precision, "fp8_flops_per_request": fp8_per_request, "fp8_gate": gates.get(d.built),
-               "fp8_gate_passes": gate_passes(gates[d.built]) if gates.get(d.built) else None,
-               # each precision's FLOPs at its own peak; mfu_bf16 counts them all at the bf16 peak
-               "mfu_effective": flops.mfu_effective(point.qps, flops_per_request, fp8_per_request),
-               "mfu_bf16": flops.mfu(point.qps, flops_per_request)}
+        rec = {
+            "system": d.system,
+            "kernels": kernels.get(d.built),
+            "batch": d.batch,
+            "cuda_graphs": d.cuda_graphs,
+            "gpus": d.gpus,
+            "worker_gpus": placed.get(d.name),
+            **served_settings(store / d.mar, d),
+            "workload": workload,
+            **frontend_means(before, totals[d.name]),
+            "workers": d.workers,
+            **dataclasses.asdict(point),
+            **meta,
+            "flops_per_request": flops_per_request,
+            "precision": d.precision,
+            "fp8_flops_per_request": fp8_per_request,
+            "fp8_gate": gates.get(d.built),
+            "fp8_gate_passes": gate_passes(gates[d.built]) if gates.get(d.built) else None,
+            # each precision's FLOPs at its own peak; mfu_bf16 counts them all at the bf16 peak
+            "mfu_effective": flops.mfu_effective(point.qps, flops_per_request, fp8_per_request),
+            "mfu_bf16": flops.mfu(point.qps, flops_per_request),
+        }
         rec.pop("request_indices")
         with results.open("a") as f:
             f.write(json.dumps(rec) + "\n")
-        log(f"{d.name:34s} {workload} c={point.concurrency:3d}: {point.qps:8.1f} req/s mean {point.mean_ms:7.1f} ms "
-            f"p99 {point.p99_ms:7.1f} ms errors {point.errors}")
+        log(
+            f"{d.name:34s} {workload} c={point.concurrency:3d}: {point.qps:8.1f} req/s mean {point.mean_ms:7.1f} ms "
+            f"p99 {point.p99_ms:7.1f} ms errors {point.errors}"
+        )
 
     try:
         server.register("noop.mar")
         for c in (1, 16, 64):
-            record(Deployment("noop", "noop", "noop.mar", 1), "ceiling",
-                   measure(f"{server.inference}/predictions/noop", [b"{}"], c, 1.0, args.duration), 0.0)
+            record(
+                Deployment("noop", "noop", "noop.mar", 1),
+                "ceiling",
+                measure(f"{server.inference}/predictions/noop", [b"{}"], c, 1.0, args.duration),
+                0.0,
+            )
         # Every deployment loads at once (their workers start in parallel) and stays loaded; idle
         # workers wait on their sockets, and one deployment is measured at a time.
         start = time.monotonic()
@@ -268,7 +354,10 @@ def main() -> None:
                 server.wait_ready(d.name, d.workers, timeout=max(60.0, args.load_timeout - (time.monotonic() - start)))
                 ready.add(d)
                 placed[d.name] = worker_gpus(server, d.name)
-                log(f"{d.name}: {d.workers} worker(s) ready after {time.monotonic() - start:.0f} s, on GPUs {placed[d.name]}")
+                log(
+                    f"{d.name}: {d.workers} worker(s) ready after {time.monotonic() - start:.0f} s, "
+                    f"on GPUs {placed[d.name]}"
+                )
             except TimeoutError as e:
                 log(f"SKIPPED {e}")
         model_log = server_dir / "logs" / "model_log.log"  # what each worker's load and capture took
@@ -276,8 +365,10 @@ def main() -> None:
             if "loaded a" in line or "graph package loaded" in line or "GPU memory reserved" in line:
                 log(line[-220:])
         bodies = {w.name: TextMaker(tokenizers[w.name], seed=1).requests(w, args.requests) for w in workloads.values()}
-        serving = {w.name: [d for d in deployments if d in ready and d.name.startswith(f"{d.system}_{w.model}_")]
-                   for w in workloads.values()}  # the loaded deployments of each workload's model
+        serving = {
+            w.name: [d for d in deployments if d in ready and d.name.startswith(f"{d.system}_{w.model}_")]
+            for w in workloads.values()
+        }  # the loaded deployments of each workload's model
         checks = [served_check(server, w.name, bodies[w.name][:3], serving[w.name]) for w in workloads.values()]
         (out / f"{stamp}_served_check.json").write_text(json.dumps(checks, indent=1))
         silent: set[str] = set()  # deployments that stopped answering: skipped from then on
@@ -287,21 +378,29 @@ def main() -> None:
             for d in serving[w.name]:
                 per_body = [request_flops(task, spec, b, d.precision) for b in bodies[w.name]]
                 url = f"{server.inference}/predictions/{d.name}"
-                for c in ([] if args.smoke else [c for c in levels if c <= max(2, 2 * d.batch * d.workers)]):
+                for c in [] if args.smoke else [c for c in levels if c <= max(2, 2 * d.batch * d.workers)]:
                     if d.name in silent:
                         break
                     warm = measure(url, encoded, c, 0.0, args.prewarm)  # steady state first: not recorded
                     if warm.completed == 0 and not answers(url, encoded[0]):
                         silent.add(d.name)
                         dump_stacks(server, d.name)
-                        log(f"SKIPPED {d.name}: no answer on {w.name} at c={c} ({warm.errors} errors); its "
-                            "workers' log follows the records")
+                        log(
+                            f"SKIPPED {d.name}: no answer on {w.name} at c={c} ({warm.errors} errors); its "
+                            "workers' log follows the records"
+                        )
                         save_logs(server_dir, out, f"{stamp}_{d.name}_silent")
                 if d.name in silent:
                     continue
                 totals[d.name] = frontend_totals(server, d.name)
-                sweep(url, encoded, levels[:2] if args.smoke else levels, args.warmup, args.duration,
-                      on_point=lambda pt: record(d, w.name, pt, *mean_flops(pt, per_body)))
+                sweep(
+                    url,
+                    encoded,
+                    levels[:2] if args.smoke else levels,
+                    args.warmup,
+                    args.duration,
+                    on_point=lambda pt: record(d, w.name, pt, *mean_flops(pt, per_body)),
+                )
     finally:
         server.stop()
         save_logs(server_dir, out, stamp)
@@ -439,8 +538,9 @@ def served_check(server: TorchServe, workload: str, bodies: list[dict], deployme
     import urllib.request
 
     def ask(d: Deployment, body: dict) -> dict:
-        req = urllib.request.Request(f"{server.inference}/predictions/{d.name}", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"{server.inference}/predictions/{d.name}", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=120) as r:
             return json.loads(r.read())
 
@@ -463,16 +563,34 @@ def served_check(server: TorchServe, workload: str, bodies: list[dict], deployme
         if got is None:
             pass
         elif "embeddings" in want[0]:
-            result[d.name] = {"max_cosine_distance": max(cosine_distance(ra, rb) for a, b in zip(want, got) for ra, rb
-                                                         in zip(a["embeddings"], b["embeddings"]))}
+            result[d.name] = {
+                "max_cosine_distance": max(
+                    cosine_distance(ra, rb)
+                    for a, b in zip(want, got)
+                    for ra, rb in zip(a["embeddings"], b["embeddings"])
+                )
+            }
         elif "scores" in want[0]:
-            result[d.name] = {"max_abs_dp": max(abs(p - q) for a, b in zip(want, got) for ra, rb in
-                                                zip(a["scores"], b["scores"]) for p, q in zip(ra, rb))}
+            result[d.name] = {
+                "max_abs_dp": max(
+                    abs(p - q)
+                    for a, b in zip(want, got)
+                    for ra, rb in zip(a["scores"], b["scores"])
+                    for p, q in zip(ra, rb)
+                )
+            }
         else:
-            shared = [len({tuple(c["token_ids"]) for c in a["candidates"]} & {tuple(c["token_ids"]) for c in b["candidates"]})
-                      / len(a["candidates"]) for a, b in zip(want, got)]
-            result[d.name] = {"min_shared": min(shared), "same_best": sum(
-                a["candidates"][0]["token_ids"] == b["candidates"][0]["token_ids"] for a, b in zip(want, got))}
+            shared = [
+                len({tuple(c["token_ids"]) for c in a["candidates"]} & {tuple(c["token_ids"]) for c in b["candidates"]})
+                / len(a["candidates"])
+                for a, b in zip(want, got)
+            ]
+            result[d.name] = {
+                "min_shared": min(shared),
+                "same_best": sum(
+                    a["candidates"][0]["token_ids"] == b["candidates"][0]["token_ids"] for a, b in zip(want, got)
+                ),
+            }
         log(f"served check {workload} {d.name} vs {base.name}: {result[d.name]}")
     return {"workload": workload, "against": base.name, "requests": len(bodies), "deployments": result}
 
@@ -480,8 +598,10 @@ def served_check(server: TorchServe, workload: str, bodies: list[dict], deployme
 def mean_flops(point, per_body: list[tuple[int, int]]) -> tuple[float, float]:
     """Mean FLOPs, and fp8 FLOPs, of the requests a point completed."""
     n = max(1, len(point.request_indices))
-    return (sum(per_body[i][0] for i in point.request_indices) / n,
-            sum(per_body[i][1] for i in point.request_indices) / n)
+    return (
+        sum(per_body[i][0] for i in point.request_indices) / n,
+        sum(per_body[i][1] for i in point.request_indices) / n,
+    )
 
 
 def plan(args, work: Path):
@@ -495,10 +615,22 @@ def plan(args, work: Path):
         ckpt = load_checkpoint(gguf)
         arch = {}
         chosen = {
-            "W1": Workload("W1", "smollm2_intent", arch, yaml.safe_load((TASKS / "smollm2-intent.yaml").read_text()), texts=3,
-                           lengths=(8, 24)),
-            "W2": Workload("W2", "smollm2_complete", arch, yaml.safe_load((TASKS / "smollm2-complete.yaml").read_text()), texts=0,
-                           lengths=(8, 24)),
+            "W1": Workload(
+                "W1",
+                "smollm2_intent",
+                arch,
+                yaml.safe_load((TASKS / "smollm2-intent.yaml").read_text()),
+                texts=3,
+                lengths=(8, 24),
+            ),
+            "W2": Workload(
+                "W2",
+                "smollm2_complete",
+                arch,
+                yaml.safe_load((TASKS / "smollm2-complete.yaml").read_text()),
+                texts=0,
+                lengths=(8, 24),
+            ),
         }
         return chosen, {k: gguf for k in chosen}, {k: ckpt.tokenizer for k in chosen}, {k: ckpt.spec for k in chosen}
     if not args.tokenizer:
@@ -507,7 +639,9 @@ def plan(args, work: Path):
     chosen = {k: WORKLOADS[k] for k in args.workloads.split(",")}
     for k, w in chosen.items():
         if "max_items" in w.task:  # a retrieval workload: its catalog, written once per work dir
-            chosen[k] = dataclasses.replace(w, task={**w.task, "catalog": str(catalog_items(work / "catalog-1000000-0.jsonl"))})
+            chosen[k] = dataclasses.replace(
+                w, task={**w.task, "catalog": str(catalog_items(work / "catalog-1000000-0.jsonl"))}
+            )
     checkpoints = {}
     for k, w in chosen.items():
         log(f"random {w.arch['model_type']} checkpoint for {k}")

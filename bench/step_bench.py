@@ -33,9 +33,20 @@ from slm_core.compile.model import Transformer
 from slm_core.spec import ModelSpec, RopeSpec
 
 WIDTH, PROMPT, SUFFIX = 100, 88, 2  # W2: W = 100, prompts of 48-128 tokens; the third of 5 new tokens
-W2 = ModelSpec(arch="qwen2", vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
-               head_dim=64, intermediate_size=4864, rms_norm_eps=1e-6, rope=RopeSpec(theta=1e6),
-               tie_word_embeddings=True, qkv_bias=True)
+W2 = ModelSpec(
+    arch="qwen2",
+    vocab_size=151936,
+    hidden_size=896,
+    num_layers=24,
+    num_heads=14,
+    num_kv_heads=2,
+    head_dim=64,
+    intermediate_size=4864,
+    rms_norm_eps=1e-6,
+    rope=RopeSpec(theta=1e6),
+    tie_word_embeddings=True,
+    qkv_bias=True,
+)
 
 
 def hbm_gb_per_s() -> float:
@@ -60,10 +71,12 @@ def step_inputs(model: Transformer, rows: int) -> tuple:
     torch.manual_seed(rows)  # the same inputs for every variant
     prompts = rows // WIDTH
     kv = (s.num_kv_heads, s.head_dim)
-    prefix = [tuple(torch.randn(prompts * PROMPT, *kv, device=dev, dtype=torch.bfloat16) for _ in "kv")
-              for _ in model.layers]
-    suffix = [tuple(torch.randn(rows, SUFFIX, *kv, device=dev, dtype=torch.bfloat16) for _ in "kv")
-              for _ in model.layers]
+    prefix = [
+        tuple(torch.randn(prompts * PROMPT, *kv, device=dev, dtype=torch.bfloat16) for _ in "kv") for _ in model.layers
+    ]
+    suffix = [
+        tuple(torch.randn(rows, SUFFIX, *kv, device=dev, dtype=torch.bfloat16) for _ in "kv") for _ in model.layers
+    ]
     ids = torch.randint(0, s.vocab_size, (rows,), device=dev)
     positions = torch.full((rows,), PROMPT + SUFFIX, device=dev)
     cu = torch.arange(prompts + 1, device=dev, dtype=torch.int32) * PROMPT
@@ -94,16 +107,20 @@ def kernels_per_call(fn, calls: int = 5) -> tuple[float, list]:
 
 
 def weight_bytes(module: torch.nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()]
-               if t.dtype in (torch.bfloat16, torch.float8_e4m3fn))
+    return sum(
+        t.numel() * t.element_size()
+        for t in [*module.parameters(), *module.buffers()]
+        if t.dtype in (torch.bfloat16, torch.float8_e4m3fn)
+    )
 
 
 def measure(model: Transformer, rows_list: list[int], gbps: float) -> dict:
     """The layer-step and the whole step of model at each row count."""
     from slm_kernels.vocab_topk import vocab_topk
 
-    layers = torch.compile(lambda ids, pos, prefix, cu, suffix: model.decode(ids, pos, prefix, cu, suffix)[0],
-                           dynamic=True, fullgraph=True)
+    layers = torch.compile(
+        lambda ids, pos, prefix, cu, suffix: model.decode(ids, pos, prefix, cu, suffix)[0], dynamic=True, fullgraph=True
+    )
     head = torch.compile(lambda hidden: vocab_topk(model.logits(hidden), 2 * WIDTH), dynamic=True, fullgraph=True)
     n, layer = len(model.layers), weight_bytes(model.layers[0])
     out = {}
@@ -112,12 +129,16 @@ def measure(model: Transformer, rows_list: list[int], gbps: float) -> dict:
         hidden = layers(*args)
         kernels, top = kernels_per_call(lambda: layers(*args))
         step_kernels, _ = kernels_per_call(lambda: head(layers(*args)))
-        out[rows] = {"layer_us": graph_ms(lambda: layers(*args), calls=5) * 1e3 / n, "layer_kernels": kernels / n,
-                     "layer_floor_us": layer / gbps / 1e3,
-                     "step_us": graph_ms(lambda: head(layers(*args)), calls=5) * 1e3, "step_kernels": step_kernels,
-                     "step_floor_us": (n * layer + model.lm_head.weight.numel() * 2) / gbps / 1e3,
-                     "kernels_per_layer_us": [(us / n, count / n, name) for us, count, name in top[:16]],
-                     "hidden": hidden.float()}
+        out[rows] = {
+            "layer_us": graph_ms(lambda: layers(*args), calls=5) * 1e3 / n,
+            "layer_kernels": kernels / n,
+            "layer_floor_us": layer / gbps / 1e3,
+            "step_us": graph_ms(lambda: head(layers(*args)), calls=5) * 1e3,
+            "step_kernels": step_kernels,
+            "step_floor_us": (n * layer + model.lm_head.weight.numel() * 2) / gbps / 1e3,
+            "kernels_per_layer_us": [(us / n, count / n, name) for us, count, name in top[:16]],
+            "hidden": hidden.float(),
+        }
     return out
 
 
@@ -132,8 +153,13 @@ def main() -> None:
     rows_list = [int(r) for r in args.rows.split(",")]
     torch._dynamo.config.cache_size_limit = 64
     gbps = hbm_gb_per_s()
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "hbm_GB_per_s": gbps,
-               "rows": rows_list, "variants": {}}
+    results = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "hbm_GB_per_s": gbps,
+        "rows": rows_list,
+        "variants": {},
+    }
     print(f"HBM read rate {gbps:.0f} GB/s")
     model = random_model()
     reference: dict[int, torch.Tensor] = {}
@@ -149,9 +175,11 @@ def main() -> None:
             hidden = r.pop("hidden")
             base = reference.setdefault(rows, hidden)
             r["hidden_rel_err_vs_bf16"] = ((hidden - base).norm() / base.norm()).item()
-            print(f"  {rows:4d} rows: layer-step {r['layer_us']:6.2f} us in {r['layer_kernels']:5.2f} kernels "
-                  f"(floor {r['layer_floor_us']:.2f}); whole step {r['step_us']:7.1f} us in {r['step_kernels']:6.1f} "
-                  f"kernels (floor {r['step_floor_us']:.1f}); hidden vs bf16 {r['hidden_rel_err_vs_bf16']:.1e}")
+            print(
+                f"  {rows:4d} rows: layer-step {r['layer_us']:6.2f} us in {r['layer_kernels']:5.2f} kernels "
+                f"(floor {r['layer_floor_us']:.2f}); whole step {r['step_us']:7.1f} us in {r['step_kernels']:6.1f} "
+                f"kernels (floor {r['step_floor_us']:.1f}); hidden vs bf16 {r['hidden_rel_err_vs_bf16']:.1e}"
+            )
         for us, count, kname in out[rows_list[0]]["kernels_per_layer_us"]:
             print(f"      {us:6.2f} us {count:5.2f}x  {kname}")
         results["variants"][name] = out

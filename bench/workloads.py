@@ -1,4 +1,5 @@
-"""Workloads W1-W4 (W1c, W1e: W1 with a classifier head, with embeddings; W4c): architectures (random weights), catalogs and request generators.
+"""Workloads W1-W4 (W1c, W1e: W1 with a classifier head, with embeddings; W4c): architectures (random
+weights), catalogs and request generators.
 
 Requests are real-looking text: words drawn Zipf-like from the tokenizer's own whole-word tokens,
 so that each text's token count under that tokenizer is exactly the length drawn from the
@@ -11,18 +12,38 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
 from tokenizers import Tokenizer
 
-QWEN3_06B = dict(model_type="qwen3", hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
-                 num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936,
-                 tie_word_embeddings=True, rope_theta=1_000_000.0, rms_norm_eps=1e-6, max_position_embeddings=40960)
+QWEN3_06B = dict(
+    model_type="qwen3",
+    hidden_size=1024,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=3072,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=40960,
+)
 # W1c: the same model fine-tuned as a classifier (transformers Qwen3ForSequenceClassification: a
 # `score` head [2, hidden] on the last token, no LM head) and served with head: classifier
 QWEN3_06B_CLS = dict(QWEN3_06B, num_labels=2, id2label={0: "irrelevant", 1: "relevant"})
-QWEN25_05B = dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
-                  num_key_value_heads=2, intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
-                  rope_theta=1_000_000.0, rms_norm_eps=1e-6, max_position_embeddings=32768)
+QWEN25_05B = dict(
+    model_type="qwen2",
+    hidden_size=896,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    intermediate_size=4864,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=32768,
+)
 
 
 @dataclass(frozen=True)
@@ -39,13 +60,21 @@ SCORE_TASK = dict(task="score", labels=["Yes", "No"], max_texts=16, max_text_tok
 CLASSIFIER_TASK = dict(task="score", head="classifier", max_texts=16, max_text_tokens=160, precision="bf16")
 # W1e: W1's texts answered with their embeddings (head: embedding): W1's prefill, no LM head row
 EMBEDDING_TASK = dict(task="score", head="embedding", max_texts=16, max_text_tokens=160, precision="bf16")
-BEAM_TASK = dict(task="beam", beam_width=100, new_tokens=5, max_prompt_tokens=512, stop=["<|im_end|>"],
-                 precision="bf16")
+BEAM_TASK = dict(
+    task="beam", beam_width=100, new_tokens=5, max_prompt_tokens=512, stop=["<|im_end|>"], precision="bf16"
+)
 # W4, generative retrieval: W2's model and prompts, W = 100, N = 4, constrained to a catalog of
 # semantic IDs (catalog_items); W4c normalises its scores over the catalog's tokens only. The
 # catalog path is filled in where the bench writes it.
-RETRIEVE_TASK = dict(task="beam", beam_width=100, new_tokens=4, max_prompt_tokens=512, precision="bf16",
-                     max_items=1_048_576, max_trie_nodes=4_194_304)
+RETRIEVE_TASK = dict(
+    task="beam",
+    beam_width=100,
+    new_tokens=4,
+    max_prompt_tokens=512,
+    precision="bf16",
+    max_items=1_048_576,
+    max_trie_nodes=4_194_304,
+)
 SEMANTIC_ID_BASE = 40_000  # level d's token ids: SEMANTIC_ID_BASE + 256 d + [0, 256), inside the bench tokenizer's
 WORKLOADS = {
     "W1": Workload("W1", "score_qwen3", QWEN3_06B, SCORE_TASK, texts=15, lengths=(64, 160)),
@@ -54,8 +83,9 @@ WORKLOADS = {
     "W2": Workload("W2", "beam_qwen25", QWEN25_05B, BEAM_TASK, texts=0, lengths=(48, 128)),
     "W3": Workload("W3", "beam_qwen25", QWEN25_05B, BEAM_TASK, texts=0, lengths=(384, 512)),
     "W4": Workload("W4", "retrieve_qwen25", QWEN25_05B, RETRIEVE_TASK, texts=0, lengths=(48, 128)),
-    "W4c": Workload("W4c", "retrievec_qwen25", QWEN25_05B, dict(RETRIEVE_TASK, catalog_scores="catalog"), texts=0,
-                    lengths=(48, 128)),
+    "W4c": Workload(
+        "W4c", "retrievec_qwen25", QWEN25_05B, dict(RETRIEVE_TASK, catalog_scores="catalog"), texts=0, lengths=(48, 128)
+    ),
 }
 
 
@@ -84,8 +114,15 @@ class TextMaker:
         vocab = tokenizer.get_vocab()
         # Byte-level BPE spells a leading space as "Ġ"; keep lowercase alphabetic words, ordered by
         # id (merge order ~ frequency), and weight them Zipf-like so common words dominate.
-        words = sorted((i, t[1:]) for t, i in vocab.items() if t.startswith("Ġ") and t[1:].isalpha()
-                       and t[1:].islower() and len(t) > 3 and any(v in t for v in "aeiouy"))
+        words = sorted(
+            (i, t[1:])
+            for t, i in vocab.items()
+            if t.startswith("Ġ")
+            and t[1:].isalpha()
+            and t[1:].islower()
+            and len(t) > 3
+            and any(v in t for v in "aeiouy")
+        )
         self.words = [w for _, w in words if len(self.tokenizer.encode(" " + w).ids) == 1]
         if len(self.words) < 100:
             raise ValueError("the tokenizer has too few whole-word tokens to make text from")
@@ -109,6 +146,7 @@ class TextMaker:
         """`count` request bodies for the workload (JSON-ready dicts)."""
         lo, hi = workload.lengths
         if workload.texts:
-            return [{"texts": [self.text(self.rng.randint(lo, hi)) for _ in range(workload.texts)]}
-                    for _ in range(count)]
+            return [
+                {"texts": [self.text(self.rng.randint(lo, hi)) for _ in range(workload.texts)]} for _ in range(count)
+            ]
         return [{"prompt": self.text(self.rng.randint(lo, hi))} for _ in range(count)]

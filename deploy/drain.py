@@ -37,8 +37,11 @@ def arrivals(metrics: str, timeout: float = 2.0) -> float:
     """Requests TorchServe has received so far, all models together."""
     with urllib.request.urlopen(f"{metrics}/metrics", timeout=timeout) as r:
         text = r.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(ARRIVALS + "{") or line.startswith(ARRIVALS + " "))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(ARRIVALS + "{") or line.startswith(ARRIVALS + " ")
+    )
 
 
 def queued(management: str, timeout: float = 2.0) -> int:

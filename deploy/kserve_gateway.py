@@ -28,11 +28,10 @@ from urllib.parse import quote
 
 import aiohttp
 from aiohttp import web
-from multidict import CIMultiDict
-from yarl import URL
-
 from drain import drain_file  # deploy/drain.py, beside this file
+from multidict import CIMultiDict
 from ready import unready  # deploy/ready.py, beside this file
+from yarl import URL
 
 MAX_BODY = 17 * 2**20  # TorchServe's max_request_size (16 MiB) and a margin: it answers 413 itself below
 READ_S = 180.0  # above TorchServe's default responseTimeout (120 s), after which it answers itself
@@ -44,8 +43,7 @@ DRAINING = "draining: the replica is stopping (deploy/drain.py)"
 # it, so a name holding "/" (%2F) would reach another resource (the model list, another version)
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,199}")
 CACHED = 4096  # management answers kept at most (one per registered model and version: far fewer)
-HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "host", "content-length",
-       "expect"}
+HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "host", "content-length", "expect"}
 
 
 def reply(status: int, body: dict) -> web.Response:
@@ -60,8 +58,9 @@ def error(status: int, message: str, **extra: Any) -> web.Response:
 def end_to_end(headers) -> CIMultiDict:
     """The headers a proxy passes on: not the hop-by-hop ones, nor those Connection names."""
     named = {h.strip().lower() for h in headers.get("Connection", "").split(",")}
-    return CIMultiDict((k, v) for k, v in headers.items()
-                       if k.lower() not in HOP | named and not k.lower().startswith("proxy-"))
+    return CIMultiDict(
+        (k, v) for k, v in headers.items() if k.lower() not in HOP | named and not k.lower().startswith("proxy-")
+    )
 
 
 def named(name: str, version: "str | None") -> bool:
@@ -85,16 +84,18 @@ class Gateway:
     def __init__(self, inference: str, management: str):
         self.inference, self.management = inference.rstrip("/"), management.rstrip("/")
         self.cache: dict[str, tuple[float, Any]] = {}
-        self.session: "aiohttp.ClientSession | None" = None
+        self.session: aiohttp.ClientSession | None = None
 
     async def connect(self, app: web.Application):
         """One keep-alive pool for the app's life, unbounded: TorchServe's job queue is the bound
         (503 when full). Requests go with their own headers only, none of aiohttp's defaults, and
         answers come back as they are, never decompressed on the way."""
         self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30), auto_decompress=False,
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+            auto_decompress=False,
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=2, sock_read=READ_S),
-            skip_auto_headers=("Accept", "Accept-Encoding", "Content-Type", "User-Agent"))
+            skip_auto_headers=("Accept", "Accept-Encoding", "Content-Type", "User-Agent"),
+        )
         yield
         await self.session.close()
 
@@ -106,7 +107,7 @@ class Gateway:
         try:
             async with self.session.get(self.management + url, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
                 status, body = r.status, await r.json(content_type=None)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+        except (TimeoutError, aiohttp.ClientError, ValueError) as e:
             raise Unavailable(f"TorchServe's management API at {self.management}: {e!r}") from e
         if status == 200:
             if len(self.cache) >= CACHED:  # never reached by names TorchServe knows; a bound all the same
@@ -172,11 +173,20 @@ class Gateway:
         if status != 200:
             return error(status, described)
         _, versions = await self.manage(path("models", name, "all"), STATE_S)
-        _, [custom] = await self.manage(path("models", name, described["modelVersion"]) + "?customized=true",
-                                        METADATA_S, timeout=10.0)
+        _, [custom] = await self.manage(
+            path("models", name, described["modelVersion"]) + "?customized=true", METADATA_S, timeout=10.0
+        )
         tensors = (custom.get("customizedMetadata") or {}).get("kserve") or {}
-        return reply(200, {"name": name, "versions": [v["modelVersion"] for v in versions], "platform": "slm-serve",
-                           "inputs": tensors.get("inputs", []), "outputs": tensors.get("outputs", [])})
+        return reply(
+            200,
+            {
+                "name": name,
+                "versions": [v["modelVersion"] for v in versions],
+                "platform": "slm-serve",
+                "inputs": tensors.get("inputs", []),
+                "outputs": tensors.get("outputs", []),
+            },
+        )
 
     async def proxy(self, request: web.Request) -> web.Response:
         """To TorchServe's inference address: KServe's inference paths become /predictions/NAME[/V]
@@ -194,18 +204,23 @@ class Gateway:
             body = await asyncio.wait_for(request.read(), BODY_S)
         except web.HTTPRequestEntityTooLarge:  # a chunked one
             return error(413, f"a request body is at most {MAX_BODY} bytes")
-        except asyncio.TimeoutError:  # shorter than its Content-Length, or a client that stalls
+        except TimeoutError:  # shorter than its Content-Length, or a client that stalls
             return error(408, f"the request body did not arrive within {BODY_S:g} s")
         try:
-            async with self.session.request(request.method, URL(self.inference + target, encoded=True),
-                                            data=body or None, headers=end_to_end(request.headers),
-                                            allow_redirects=False) as r:
+            async with self.session.request(
+                request.method,
+                URL(self.inference + target, encoded=True),
+                data=body or None,
+                headers=end_to_end(request.headers),
+                allow_redirects=False,
+            ) as r:
                 answer = await r.read()
-                return web.Response(status=r.status, reason=r.reason or None, body=answer,
-                                    headers=end_to_end(r.headers))
+                return web.Response(
+                    status=r.status, reason=r.reason or None, body=answer, headers=end_to_end(r.headers)
+                )
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:  # not listening
             return error(502, f"TorchServe at {self.inference}: {e!r}")
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return error(504, f"TorchServe at {self.inference} did not answer in {READ_S:g} s")
         except aiohttp.ClientError as e:
             return error(502, f"TorchServe at {self.inference}: {e!r}")
@@ -233,6 +248,7 @@ async def json_errors(request: web.Request, handler) -> web.StreamResponse:
 def constant(body: dict):
     async def answer(request: web.Request) -> web.Response:
         return reply(200, body)
+
     return answer
 
 
@@ -245,23 +261,25 @@ def make_app(inference: str, management: str) -> web.Application:
     name, ver = "{name:[^/:]+}", "{version:[^/]+}"
     app = web.Application(client_max_size=MAX_BODY, middlewares=[json_errors])
     app.cleanup_ctx.append(gateway.connect)
-    app.add_routes([
-        web.get("/", constant({"status": "alive"})),
-        web.get("/v1/models", gateway.v1_models),
-        web.get(f"/v1/models/{name}", gateway.model_ready),
-        web.post(f"/v1/models/{name}:predict", gateway.proxy),
-        web.get("/v2", constant({"name": "slm-serve", "version": version, "extensions": ["binary_tensor_data"]})),
-        web.get("/v2/health/live", constant({"live": True})),
-        web.get("/v2/health/ready", gateway.server_ready),
-        web.get(f"/v2/models/{name}", gateway.v2_metadata),
-        web.get(f"/v2/models/{name}/versions/{ver}", gateway.v2_metadata),
-        web.get(f"/v2/models/{name}/ready", gateway.model_ready),
-        web.get(f"/v2/models/{name}/versions/{ver}/ready", gateway.model_ready),
-        web.post(f"/v2/models/{name}/infer", gateway.proxy),
-        web.post(f"/v2/models/{name}/versions/{ver}/infer", gateway.proxy),
-        # any path outside /v1 and /v2 is TorchServe's (/predictions, /ping, ...); inside, 404 or 405
-        web.route("*", r"/{tail:(?!v[12](?:/|$)).*}", gateway.proxy),
-    ])
+    app.add_routes(
+        [
+            web.get("/", constant({"status": "alive"})),
+            web.get("/v1/models", gateway.v1_models),
+            web.get(f"/v1/models/{name}", gateway.model_ready),
+            web.post(f"/v1/models/{name}:predict", gateway.proxy),
+            web.get("/v2", constant({"name": "slm-serve", "version": version, "extensions": ["binary_tensor_data"]})),
+            web.get("/v2/health/live", constant({"live": True})),
+            web.get("/v2/health/ready", gateway.server_ready),
+            web.get(f"/v2/models/{name}", gateway.v2_metadata),
+            web.get(f"/v2/models/{name}/versions/{ver}", gateway.v2_metadata),
+            web.get(f"/v2/models/{name}/ready", gateway.model_ready),
+            web.get(f"/v2/models/{name}/versions/{ver}/ready", gateway.model_ready),
+            web.post(f"/v2/models/{name}/infer", gateway.proxy),
+            web.post(f"/v2/models/{name}/versions/{ver}/infer", gateway.proxy),
+            # any path outside /v1 and /v2 is TorchServe's (/predictions, /ping, ...); inside, 404 or 405
+            web.route("*", r"/{tail:(?!v[12](?:/|$)).*}", gateway.proxy),
+        ]
+    )
     return app
 
 
@@ -269,11 +287,20 @@ def main() -> None:
     host, port = os.environ.get("GATEWAY_ADDRESS", "0.0.0.0:8080").rsplit(":", 1)
     inference = os.environ.get("INFERENCE", "http://127.0.0.1:8085")
     management = os.environ.get("MANAGEMENT", "http://127.0.0.1:8081")
-    print(f"kserve_gateway: on {host}:{port}, TorchServe's inference at {inference}, management at {management}",
-          flush=True)
+    print(
+        f"kserve_gateway: on {host}:{port}, TorchServe's inference at {inference}, management at {management}",
+        flush=True,
+    )
     # auto_decompress off: a compressed body reaches TorchServe as the client sent it
-    web.run_app(make_app(inference, management), host=host, port=int(port), shutdown_timeout=5, access_log=None,
-                print=None, auto_decompress=False)
+    web.run_app(
+        make_app(inference, management),
+        host=host,
+        port=int(port),
+        shutdown_timeout=5,
+        access_log=None,
+        print=None,
+        auto_decompress=False,
+    )
 
 
 if __name__ == "__main__":

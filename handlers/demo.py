@@ -18,13 +18,26 @@ from handlers.local_server import TorchServe
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS = REPO / "archiver" / "tasks"
-QUERIES = ["cheap flights to rome", "hotel near the eiffel tower", "iphone 15 case", "python list comprehension",
-           "best beaches in portugal", "wireless headphones under 50"]
+QUERIES = [
+    "cheap flights to rome",
+    "hotel near the eiffel tower",
+    "iphone 15 case",
+    "python list comprehension",
+    "best beaches in portugal",
+    "wireless headphones under 50",
+]
 PROMPTS = ["cheap flights to", "how to make", "best running shoes for"]
-SHOPPING = ["running shoes for trail", "a gift for a coffee lover", "noise cancelling headphones",
-            "camping in the mountains"]
-ARCHIVES = (("smollm2_intent", "smollm2-intent.yaml"), ("smollm2_complete", "smollm2-complete.yaml"),
-            ("smollm2_retrieve", "smollm2-retrieve.yaml"))
+SHOPPING = [
+    "running shoes for trail",
+    "a gift for a coffee lover",
+    "noise cancelling headphones",
+    "camping in the mountains",
+]
+ARCHIVES = (
+    ("smollm2_intent", "smollm2-intent.yaml"),
+    ("smollm2_complete", "smollm2-complete.yaml"),
+    ("smollm2_retrieve", "smollm2-retrieve.yaml"),
+)
 
 
 def smollm2() -> str:
@@ -40,9 +53,25 @@ def build_archives(store: Path, device: str) -> None:
             print(f"== {name}.mar exists in {store}, reusing it (delete it to rebuild)")
             continue
         print(f"== building {name}.mar from {TASKS / task}")
-        subprocess.run([sys.executable, "-m", "archiver", "build", "--checkpoint", smollm2(), "--task",
-                        str(TASKS / task), "--model-name", name, "--export-path", str(store), "--device", device],
-                       check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "archiver",
+                "build",
+                "--checkpoint",
+                smollm2(),
+                "--task",
+                str(TASKS / task),
+                "--model-name",
+                name,
+                "--export-path",
+                str(store),
+                "--device",
+                device,
+            ],
+            check=True,
+        )
 
 
 def retrieve(server: TorchServe, request: dict) -> dict:
@@ -52,8 +81,10 @@ def retrieve(server: TorchServe, request: dict) -> dict:
     answer = json.loads(body)
     shown = "; ".join(f"{c['id']} {c['text']} ({c['score']:.1f})" for c in answer.get("candidates", [])[:3])
     options = "".join(f" {k}={request[k]}" for k in request if k != "prompt")
-    print(f"   {request['prompt']!r}{options} -> {status} in {(time.perf_counter() - start) * 1e3:.0f} ms: "
-          f"{shown or answer}")
+    print(
+        f"   {request['prompt']!r}{options} -> {status} in {(time.perf_counter() - start) * 1e3:.0f} ms: "
+        f"{shown or answer}"
+    )
     return answer
 
 
@@ -71,8 +102,10 @@ def run(work: Path, device: str = "cpu") -> dict:
 
         start = time.perf_counter()
         status, body = server.predict("smollm2_intent", json.dumps({"texts": QUERIES}).encode())
-        print(f"\n== POST /predictions/smollm2_intent -> {status} in {(time.perf_counter() - start) * 1e3:.0f} ms"
-              " (a 135M model: the numbers show the mechanics, not a good intent classifier)")
+        print(
+            f"\n== POST /predictions/smollm2_intent -> {status} in {(time.perf_counter() - start) * 1e3:.0f} ms"
+            " (a 135M model: the numbers show the mechanics, not a good intent classifier)"
+        )
         answers["scores"] = json.loads(body)
         for query, row in zip(QUERIES, answers["scores"]["scores"]):
             print(f"   P(Yes)={row[0]:.3f}  {query}")
@@ -80,14 +113,18 @@ def run(work: Path, device: str = "cpu") -> dict:
         for prompt in PROMPTS:
             start = time.perf_counter()
             status, body = server.predict("smollm2_complete", json.dumps({"prompt": prompt}).encode())
-            print(f"\n== POST /predictions/smollm2_complete {prompt!r} -> {status} "
-                  f"in {(time.perf_counter() - start) * 1e3:.0f} ms")
+            print(
+                f"\n== POST /predictions/smollm2_complete {prompt!r} -> {status} "
+                f"in {(time.perf_counter() - start) * 1e3:.0f} ms"
+            )
             answers["beams"][prompt] = json.loads(body)["candidates"]
             for c in answers["beams"][prompt][:4]:
                 print(f"   {c['score']:8.3f}  {prompt}{c['text']!r}")
 
-        print("\n== POST /predictions/smollm2_retrieve: the best items of products.jsonl (id title log-prob;"
-              " the same 135M model: mechanics, not a good retriever)")
+        print(
+            "\n== POST /predictions/smollm2_retrieve: the best items of products.jsonl (id title log-prob;"
+            " the same 135M model: mechanics, not a good retriever)"
+        )
         for prompt in SHOPPING:
             answers["retrieve"][prompt] = retrieve(server, {"prompt": prompt})
         # the first answer's best item sold out: excluded, and only the best 3 of the rest

@@ -27,8 +27,14 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-def http(method: str, url: str, body: bytes | None = None, headers: dict | None = None, timeout: float = 120,
-         response_headers: dict | None = None):
+def http(
+    method: str,
+    url: str,
+    body: bytes | None = None,
+    headers: dict | None = None,
+    timeout: float = 120,
+    response_headers: dict | None = None,
+):
     """(status, body bytes); HTTP errors are returned, not raised. The response's headers go into
     `response_headers` when given, their names in lower case."""
     req = urllib.request.Request(url, data=body, method=method, headers=headers or {})
@@ -53,12 +59,15 @@ class TorchServe:
         self.metrics = f"http://127.0.0.1:{metrics}"
         settings = (REPO / "config.properties").read_text().splitlines()
         overrides = {
-            "inference_address": self.inference, "management_address": self.management,
-            "metrics_address": self.metrics, "grpc_inference_port": grpc_i, "grpc_management_port": grpc_m,
+            "inference_address": self.inference,
+            "management_address": self.management,
+            "metrics_address": self.metrics,
+            "grpc_inference_port": grpc_i,
+            "grpc_management_port": grpc_m,
             "initial_worker_port": workers,  # worker sockets live under the private TMPDIR too
             "metrics_config": REPO / "metrics.yaml",  # the server runs in workdir
         }
-        lines = [l for l in settings if l.split("=", 1)[0].strip() not in overrides]
+        lines = [line for line in settings if line.split("=", 1)[0].strip() not in overrides]
         lines += [f"{k}={v}" for k, v in overrides.items()]
         self.config = workdir / "config.properties"
         self.config.write_text("\n".join(lines) + "\n")
@@ -71,12 +80,29 @@ class TorchServe:
         # torchserve, and the python its workers run with.
         path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
         # TEMP: TorchServe's JVM extracts archives there (java.io.tmpdir); TMPDIR: its workers' temporaries
-        env = {**os.environ, "PATH": path, "TMPDIR": str(tmp), "TEMP": str(tmp), "LOG_LOCATION": str(self.workdir / "logs"),
-               "METRICS_LOCATION": str(self.workdir / "logs")}
+        env = {
+            **os.environ,
+            "PATH": path,
+            "TMPDIR": str(tmp),
+            "TEMP": str(tmp),
+            "LOG_LOCATION": str(self.workdir / "logs"),
+            "METRICS_LOCATION": str(self.workdir / "logs"),
+        }
         self.proc = subprocess.Popen(
-            [shutil.which("torchserve", path=path) or "torchserve", "--start", "--foreground", "--ncs",
-             "--ts-config", str(self.config), "--model-store", str(self.model_store)],
-            cwd=self.workdir, env=env, stdout=open(self.workdir / "stdout.log", "wb"), stderr=subprocess.STDOUT,
+            [
+                shutil.which("torchserve", path=path) or "torchserve",
+                "--start",
+                "--foreground",
+                "--ncs",
+                "--ts-config",
+                str(self.config),
+                "--model-store",
+                str(self.model_store),
+            ],
+            cwd=self.workdir,
+            env=env,
+            stdout=open(self.workdir / "stdout.log", "wb"),
+            stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: stop() kills exactly this server and its workers
         )
         deadline = time.monotonic() + timeout
@@ -108,8 +134,9 @@ class TorchServe:
     def register(self, mar: str, workers: int = 1, name: str | None = None, synchronous: bool = True) -> dict:
         """Register `mar` from the model store (as `name` if given, else the archive's own name). With
         synchronous=False it returns once the archive is accepted; wait_ready() waits for the workers."""
-        query = (f"url={mar}&initial_workers={workers}&synchronous={str(synchronous).lower()}"
-                 + (f"&model_name={name}" if name else ""))
+        query = f"url={mar}&initial_workers={workers}&synchronous={str(synchronous).lower()}" + (
+            f"&model_name={name}" if name else ""
+        )
         status, body = http("POST", f"{self.management}/models?{query}", timeout=600)
         assert status in (200, 202), body
         if not synchronous and workers > 1:
@@ -119,8 +146,12 @@ class TorchServe:
         return json.loads(body)
 
     def scale(self, model: str, workers: int, synchronous: bool = False) -> None:
-        status, body = http("PUT", f"{self.management}/models/{model}?min_worker={workers}&max_worker={workers}"
-                                   f"&synchronous={str(synchronous).lower()}", timeout=600)
+        status, body = http(
+            "PUT",
+            f"{self.management}/models/{model}?min_worker={workers}&max_worker={workers}"
+            f"&synchronous={str(synchronous).lower()}",
+            timeout=600,
+        )
         assert status in (200, 202), body
 
     def wait_ready(self, model: str, workers: int, timeout: float = 900) -> None:

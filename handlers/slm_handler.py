@@ -29,8 +29,13 @@ from slm_core.serving import ServingSpec
 
 log = logging.getLogger(__name__)
 EXIT_DEVICE_LOST = 75  # the worker's exit status when its GPU context is lost (EX_TEMPFAIL)
-PHRASES = {200: "OK", 400: "Bad Request", 415: "Unsupported Media Type", 500: "Internal Server Error",
-           504: "Gateway Timeout"}
+PHRASES = {
+    200: "OK",
+    400: "Bad Request",
+    415: "Unsupported Media Type",
+    500: "Internal Server Error",
+    504: "Gateway Timeout",
+}
 
 
 def workers_share_a_gpu(serving: ServingSpec, host_gpus: int) -> bool:
@@ -67,11 +72,25 @@ def description(package: dict, serving: ServingSpec, tensors: dict) -> bytes:
     Protocol's input and output tensors (`kserve`: what deploy/kserve_gateway.py answers for
     GET /v2/models/NAME)."""
     encode_node = manifest.node(package, "encode")
-    return encode({"task": package["task"], "request_field": encode_node["input"], "kserve": tensors,
-                   "answer": manifest.node(package, "decode")["output"], "bounds": encode_node["bounds"],
-                   "device": package["device"], "dtype": package.get("dtype"), "call_ms": package.get("call_ms"),
-                   "serving": {"workers": serving.workers, "batch": serving.batch, "queue": serving.queue,
-                               "deadline_ms": serving.deadline_ms, "cuda_graphs": serving.cuda_graphs}})
+    return encode(
+        {
+            "task": package["task"],
+            "request_field": encode_node["input"],
+            "kserve": tensors,
+            "answer": manifest.node(package, "decode")["output"],
+            "bounds": encode_node["bounds"],
+            "device": package["device"],
+            "dtype": package.get("dtype"),
+            "call_ms": package.get("call_ms"),
+            "serving": {
+                "workers": serving.workers,
+                "batch": serving.batch,
+                "queue": serving.queue,
+                "deadline_ms": serving.deadline_ms,
+                "cuda_graphs": serving.cuda_graphs,
+            },
+        }
+    )
 
 
 def record_metrics(metrics, replies: list[Reply]) -> None:
@@ -128,23 +147,39 @@ class SlmHandler:
         self.deadlines = Deadlines(serving.deadline_ms, package.get("call_ms") or {})
         self.description = description(package, serving, metadata(self.engine.task))
         # the name and version a KServe v2 answer names: as TorchServe registered this worker's model
-        self.model = (str(getattr(ctx, "model_name", "") or ""),
-                      str(((getattr(ctx, "manifest", None) or {}).get("model") or {}).get("modelVersion", "")))
+        self.model = (
+            str(getattr(ctx, "model_name", "") or ""),
+            str(((getattr(ctx, "manifest", None) or {}).get("model") or {}).get("modelVersion", "")),
+        )
         replay = self.engine.context.replay
         cuda = self.engine.device.type == "cuda"
         mps = cuda and mps_running()
-        log.info("loaded a %s task on %s in %.1f s: %s CUDA graphs (captured in %.1f s), %d worker(s) of batch %d, "
-                 "NVIDIA MPS: %s", self.engine.task.kind, self.engine.device, time.perf_counter() - start,
-                 len(replay.graphs) if replay is not None else "no", replay.capture_s if replay is not None else 0.0,
-                 serving.workers, serving.batch, "on" if mps else "off")
+        log.info(
+            "loaded a %s task on %s in %.1f s: %s CUDA graphs (captured in %.1f s), %d worker(s) of batch %d, "
+            "NVIDIA MPS: %s",
+            self.engine.task.kind,
+            self.engine.device,
+            time.perf_counter() - start,
+            len(replay.graphs) if replay is not None else "no",
+            replay.capture_s if replay is not None else 0.0,
+            serving.workers,
+            serving.batch,
+            "on" if mps else "off",
+        )
         if cuda:
-            log.info("GPU memory reserved %.2f GiB, host peak RSS %.2f GiB",
-                     torch.cuda.memory_reserved(self.engine.device) / 2**30,
-                     resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+            log.info(
+                "GPU memory reserved %.2f GiB, host peak RSS %.2f GiB",
+                torch.cuda.memory_reserved(self.engine.device) / 2**30,
+                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            )
         if cuda and not mps and workers_share_a_gpu(serving, torch.cuda.device_count()):
-            log.warning("%d workers on %s without NVIDIA MPS: workers sharing a GPU time-slice it instead of "
-                        "running side by side. Start `nvidia-cuda-mps-control -d` before TorchServe "
-                        "(deploy/serve.sh does; README.md, Serving on a GPU)", serving.workers, self.engine.device)
+            log.warning(
+                "%d workers on %s without NVIDIA MPS: workers sharing a GPU time-slice it instead of "
+                "running side by side. Start `nvidia-cuda-mps-control -d` before TorchServe "
+                "(deploy/serve.sh does; README.md, Serving on a GPU)",
+                serving.workers,
+                self.engine.device,
+            )
         # What loading made lives as long as the worker: freeze it out of the full garbage
         # collections that beam replies' candidate dicts set off (a 70 ms stall of the worker
         # every ~750 W2 calls on 2 cores; 0.1 ms frozen).
@@ -159,8 +194,9 @@ class SlmHandler:
         # batch may hold beside predictions (and a client may send): it alone gets the description
         describe = [request.headers.get("describe") == "True" for request in batch]
         try:
-            answered = iter(respond_batch(self.engine, [r for r, d in zip(batch, describe) if not d], self.deadlines,
-                                         self.model))
+            answered = iter(
+                respond_batch(self.engine, [r for r, d in zip(batch, describe) if not d], self.deadlines, self.model)
+            )
         except DeviceLost:
             # Every later call would fail too, and under MPS the GPU takes no new client until this
             # process is gone: exit, so that TorchServe starts a worker with a fresh context. The

@@ -1,16 +1,17 @@
 """The Python API: a checkpoint and a task, or a built package, -> an engine to ask.
 
-    eng = Engine.from_checkpoint("ckpt-dir-or.gguf", task="task.yaml", device="cpu")
-    eng.score(["text a", "text b"])  # [[p_label0, p_label1, ...], ...]
-    eng.embed(["text a", "text b"])  # float32 array [texts, dims]: a head: embedding task
-    eng.beam("a prompt")             # [{"text", "token_ids", "score"}, ...] best first
-    eng.beam("a prompt", beam_width=10, top=3, exclude=["sku-1"])   # a request's settings; catalog
-                                     # tasks answer each candidate's item "id" too
-    eng = Engine.from_package("unpacked-archive-dir")   # the compiled graph, as a worker serves it
+eng = Engine.from_checkpoint("ckpt-dir-or.gguf", task="task.yaml", device="cpu")
+eng.score(["text a", "text b"])  # [[p_label0, p_label1, ...], ...]
+eng.embed(["text a", "text b"])  # float32 array [texts, dims]: a head: embedding task
+eng.beam("a prompt")             # [{"text", "token_ids", "score"}, ...] best first
+eng.beam("a prompt", beam_width=10, top=3, exclude=["sku-1"])   # a request's settings; catalog
+                                 # tasks answer each candidate's item "id" too
+eng = Engine.from_package("unpacked-archive-dir")   # the compiled graph, as a worker serves it
 """
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -49,8 +50,9 @@ class Engine(engine.Engine):
             raise TypeError(f"this engine runs a {self.task.api!r} task: call engine.{self.task.api}(...)")
 
     @classmethod
-    def from_checkpoint(cls, path: "str | Path", task: "str | Path | Mapping[str, Any] | TaskSpec",
-                        device: str = "cpu") -> "Engine":
+    def from_checkpoint(
+        cls, path: "str | Path", task: "str | Path | Mapping[str, Any] | TaskSpec", device: str = "cpu"
+    ) -> "Engine":
         """The task's eager graph over the checkpoint, on `device` with its kernels (Triton on CUDA)."""
         return eager_engine(load_checkpoint(path), TaskSpec.load(task), RuntimeSpec(device), cls)
 

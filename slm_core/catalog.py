@@ -47,8 +47,15 @@ class Level:
 
 
 class Catalog:
-    def __init__(self, ids: np.ndarray, tokens: np.ndarray, lengths: np.ndarray, levels: list[Level],
-                 vocab: np.ndarray, stop_count: int):
+    def __init__(
+        self,
+        ids: np.ndarray,
+        tokens: np.ndarray,
+        lengths: np.ndarray,
+        levels: list[Level],
+        vocab: np.ndarray,
+        stop_count: int,
+    ):
         self.ids = ids  # [items] bytes (UTF-8), in sorted order
         self.tokens = tokens  # [items, max_tokens] int32, -1 after the item's end
         self.lengths = lengths  # [items] int32
@@ -76,18 +83,30 @@ class Catalog:
         return sum(int(np.count_nonzero(level.end > level.start)) for level in self.levels)
 
     def summary(self) -> dict:
-        return {"items": self.size, "trie_nodes": self.nodes, "tokens": int(len(self.vocab) - self.stop_count),
-                "fanout": [level.fanout for level in self.levels],
-                "item_tokens": [int(self.lengths.min()), int(self.lengths.max())],
-                "graph_bytes": sum(a.nbytes for a in self.graph_arrays())}  # on the graph's device
+        return {
+            "items": self.size,
+            "trie_nodes": self.nodes,
+            "tokens": int(len(self.vocab) - self.stop_count),
+            "fanout": [level.fanout for level in self.levels],
+            "item_tokens": [int(self.lengths.min()), int(self.lengths.max())],
+            "graph_bytes": sum(a.nbytes for a in self.graph_arrays()),
+        }  # on the graph's device
 
     def item_id(self, index: int) -> str:
         return self.ids[index].decode("utf-8")
 
     # --- building -------------------------------------------------------------------------------
     @classmethod
-    def from_jsonl(cls, path: "str | Path", tokenizer, stop_ids: list[int], max_tokens: int, vocab_size: int,
-                   max_items: int, max_nodes: int) -> "Catalog":
+    def from_jsonl(
+        cls,
+        path: "str | Path",
+        tokenizer,
+        stop_ids: list[int],
+        max_tokens: int,
+        vocab_size: int,
+        max_items: int,
+        max_nodes: int,
+    ) -> "Catalog":
         """A JSONL catalog, one item a line: {"id": ..., "tokens": [...]} or {"id": ..., "text": ...}
         (text tokenized without special tokens). SpecError naming the line for what it cannot hold."""
         ids, rows, lines, texts = [], [], [], {}
@@ -102,11 +121,19 @@ class Catalog:
                     raise SpecError(f"{where}: not JSON ({e.msg})") from None
                 except ValueError as e:  # an integer past Python's digit limit
                     raise SpecError(f"{where}: {e}") from None
-                if not isinstance(item, dict) or set(item) - {"id", "tokens", "text"} or "id" not in item \
-                        or ("tokens" in item) == ("text" in item):
-                    raise SpecError(f'{where}: an item is {{"id": ..., "tokens": [...]}} or {{"id": ..., "text": "..."}}')
+                if (
+                    not isinstance(item, dict)
+                    or set(item) - {"id", "tokens", "text"}
+                    or "id" not in item
+                    or ("tokens" in item) == ("text" in item)
+                ):
+                    raise SpecError(
+                        f'{where}: an item is {{"id": ..., "tokens": [...]}} or {{"id": ..., "text": "..."}}'
+                    )
                 if not isinstance(item["id"], (str, int)) or isinstance(item["id"], bool) or item["id"] == "":
-                    raise SpecError(f"{where}: 'id' must be a non-empty string or an integer, got {json_type(item['id'])}")
+                    raise SpecError(
+                        f"{where}: 'id' must be a non-empty string or an integer, got {json_type(item['id'])}"
+                    )
                 _check_id(str(item["id"]), where)
                 if "text" in item:
                     if not isinstance(item["text"], str) or not item["text"]:
@@ -138,19 +165,33 @@ class Catalog:
             if len(row) > max_tokens:
                 raise SpecError(f"{where}: the item is {len(row)} tokens, over new_tokens={max_tokens}")
             if min(row) < 0 or max(row) >= vocab_size:
-                raise SpecError(f"{where}: token {max(row) if max(row) >= vocab_size else min(row)} is outside "
-                                f"the vocabulary (0 .. {vocab_size - 1})")
+                raise SpecError(
+                    f"{where}: token {max(row) if max(row) >= vocab_size else min(row)} is outside "
+                    f"the vocabulary (0 .. {vocab_size - 1})"
+                )
             if stop_set.intersection(row):
-                raise SpecError(f"{where}: the item holds the stop token {sorted(stop_set.intersection(row))[0]}, "
-                                "which ends a candidate")
+                raise SpecError(
+                    f"{where}: the item holds the stop token {sorted(stop_set.intersection(row))[0]}, "
+                    "which ends a candidate"
+                )
             if len(row) < max_tokens and not stop_set:
-                raise SpecError(f"{where}: the item is shorter than new_tokens={max_tokens}, and only a stop "
-                                "token (task key 'stop') can end it")
+                raise SpecError(
+                    f"{where}: the item is shorter than new_tokens={max_tokens}, and only a stop "
+                    "token (task key 'stop') can end it"
+                )
         return cls.build(ids, rows, lines, list(stop_ids), max_tokens, max_nodes, f"catalog {path}")
 
     @classmethod
-    def build(cls, ids: list[str], rows: list[list[int]], lines: list[int], stop_ids: list[int], max_tokens: int,
-              max_nodes: int, where: str = "catalog") -> "Catalog":
+    def build(
+        cls,
+        ids: list[str],
+        rows: list[list[int]],
+        lines: list[int],
+        stop_ids: list[int],
+        max_tokens: int,
+        max_nodes: int,
+        where: str = "catalog",
+    ) -> "Catalog":
         seen: dict[str, int] = {}
         for item_id, line in zip(ids, lines):
             if item_id in seen:
@@ -166,8 +207,9 @@ class Catalog:
         if same.size:
             a, b = sorted((lines[order[same[0]]], lines[order[same[0] + 1]]))
             raise SpecError(f"{where} line {b}: the item has the same tokens as line {a}")
-        vocab = np.array(stop_ids + sorted(set(np.unique(matrix[matrix >= 0]).tolist()) - set(stop_ids)),
-                         dtype=np.int32)
+        vocab = np.array(
+            stop_ids + sorted(set(np.unique(matrix[matrix >= 0]).tolist()) - set(stop_ids)), dtype=np.int32
+        )
         levels, parents_start = [], np.zeros(1, dtype=np.int64)  # the root: every item
         differs = np.zeros(count, dtype=bool)
         differs[0] = True
@@ -184,8 +226,14 @@ class Catalog:
             first = np.searchsorted(parent, np.arange(len(parents_start) + 1)).astype(np.int32)
             ends_item = lengths[starts] == depth
             reach = np.minimum.reduceat(np.where(inside, lengths, FAR), starts) if starts.size else starts
-            edges = np.stack([np.searchsorted(vocab[len(stop_ids):], matrix[starts, col]) + len(stop_ids),
-                              np.where(ends_item, starts, NO_ITEM), reach], axis=1).astype(np.int32)
+            edges = np.stack(
+                [
+                    np.searchsorted(vocab[len(stop_ids) :], matrix[starts, col]) + len(stop_ids),
+                    np.where(ends_item, starts, NO_ITEM),
+                    reach,
+                ],
+                axis=1,
+            ).astype(np.int32)
             levels.append(_padded(first, edges, starts, ends, count))
             parents_start = np.append(starts, [count] * (levels[-1].edges.shape[0] - starts.size))
         if len(vocab) < 2:  # a graph size of 1 would specialise; a padding token would count in the scores
@@ -201,11 +249,17 @@ class Catalog:
 
         blob = np.frombuffer(b"".join(self.ids), dtype=np.uint8)
         offsets = np.cumsum([0] + [len(i) for i in self.ids]).astype(np.int64)
-        arrays = {"ids": blob, "id_offsets": offsets, "tokens": self.tokens, "vocab": self.vocab,
-                  "stops": np.array([self.stop_count], dtype=np.int32)}
+        arrays = {
+            "ids": blob,
+            "id_offsets": offsets,
+            "tokens": self.tokens,
+            "vocab": self.vocab,
+            "stops": np.array([self.stop_count], dtype=np.int32),
+        }
         for d, level in enumerate(self.levels):
-            arrays.update({f"first{d}": level.first, f"edges{d}": level.edges, f"start{d}": level.start,
-                           f"end{d}": level.end})
+            arrays.update(
+                {f"first{d}": level.first, f"edges{d}": level.edges, f"start{d}": level.start, f"end{d}": level.end}
+            )
         save_file(arrays, str(path))
 
     @classmethod
@@ -214,7 +268,7 @@ class Catalog:
 
         a = load_file(str(path))
         blob, offsets = a["ids"].tobytes(), a["id_offsets"]
-        ids = np.array([blob[offsets[i]: offsets[i + 1]] for i in range(len(offsets) - 1)])
+        ids = np.array([blob[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)])
         tokens = a["tokens"]
         levels = [Level(a[f"first{d}"], a[f"edges{d}"], a[f"start{d}"], a[f"end{d}"]) for d in range(tokens.shape[1])]
         return cls(ids, tokens, (tokens >= 0).sum(1).astype(np.int32), levels, a["vocab"], int(a["stops"][0]))
@@ -294,5 +348,4 @@ def _padded(first: np.ndarray, edges: np.ndarray, starts: np.ndarray, ends: np.n
     pad = max(1, 2 - edges.shape[0])
     filler = np.tile(np.array([[0, NO_ITEM, FAR]], dtype=np.int32), (pad, 1))
     empty = np.full(pad, items, dtype=np.int64)
-    return Level(first, np.concatenate([edges, filler]), np.concatenate([starts, empty]),
-                 np.concatenate([ends, empty]))
+    return Level(first, np.concatenate([edges, filler]), np.concatenate([starts, empty]), np.concatenate([ends, empty]))

@@ -4,8 +4,16 @@ DeviceLost: a device this process can no longer use."""
 import json
 
 MAX_ERROR_CHARS = 400  # an error message's length, whatever the request holds (a reply's bound)
-JSON_TYPES = {dict: "an object", list: "an array", tuple: "an array", str: "a string", int: "a number",
-              float: "a number", bool: "a boolean", type(None): "null"}
+JSON_TYPES = {
+    dict: "an object",
+    list: "an array",
+    tuple: "an array",
+    str: "a string",
+    int: "a number",
+    float: "a number",
+    bool: "a boolean",
+    type(None): "null",
+}
 
 
 class SpecError(ValueError):

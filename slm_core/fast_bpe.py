@@ -20,7 +20,10 @@ GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s
 PROBES = (
     "Cheap flights to Rome in May, don't we'd 12 345 6789 x2 3.5kg (per item) -- tickets & hotels; "
     "  two  spaces,\ttabs\nnew lines\r\n and ünïcödé 日本語 🤖 words: e.g. U.S.A. or a-b c_d it's OK!",
-    "  leading\n\n\ttrailing   ", "x", "1234567890", "\u00a0\u3000\u2028 mixed\u200bspaces",
+    "  leading\n\n\ttrailing   ",
+    "x",
+    "1234567890",
+    "\u00a0\u3000\u2028 mixed\u200bspaces",
 )
 
 
@@ -39,9 +42,15 @@ def split_pattern(config: dict) -> str | None:
         return None
     if len(pre) == 1 and pre[0]["type"] == "ByteLevel" and pre[0].get("use_regex", True):
         return GPT2_SPLIT
-    if (len(pre) == 2 and pre[0]["type"] == "Split" and pre[1]["type"] == "ByteLevel" and not pre[1].get("use_regex", True)
-            and pre[0].get("behavior") == "Isolated" and not pre[0].get("invert")
-            and (pre[0].get("pattern") or {}).get("Regex") in SPLITS):
+    if (
+        len(pre) == 2
+        and pre[0]["type"] == "Split"
+        and pre[1]["type"] == "ByteLevel"
+        and not pre[1].get("use_regex", True)
+        and pre[0].get("behavior") == "Isolated"
+        and not pre[0].get("invert")
+        and (pre[0].get("pattern") or {}).get("Regex") in SPLITS
+    ):
         return pre[0]["pattern"]["Regex"]
     return None
 
@@ -53,8 +62,14 @@ class FastBpe:
         """config: the tokenizer's JSON (tokenizer.to_str()), parsed."""
         self.encoding = None
         model, pattern = config.get("model") or {}, split_pattern(config)
-        if pattern is None or model.get("type") != "BPE" or model.get("dropout") or model.get("byte_fallback") \
-                or model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
+        if (
+            pattern is None
+            or model.get("type") != "BPE"
+            or model.get("dropout")
+            or model.get("byte_fallback")
+            or model.get("continuing_subword_prefix")
+            or model.get("end_of_word_suffix")
+        ):
             self.usable = False
             return
         decode, vocab = byte_decoder(), model["vocab"]

@@ -29,8 +29,12 @@ def prefill_flops(spec: ModelSpec, lengths: list[int]) -> int:
     """Linears and attention of a prefill over sequences of `lengths` tokens."""
     tokens, last = sum(lengths), len(lengths)
     causal_pairs = sum(n * (n + 1) // 2 for n in lengths)
-    return (linear_flops_per_token(spec) * tokens - last_layer_rest(spec) * (tokens - last)
-            + attention_flops(spec, causal_pairs, spec.num_layers - 1) + attention_flops(spec, tokens, 1))
+    return (
+        linear_flops_per_token(spec) * tokens
+        - last_layer_rest(spec) * (tokens - last)
+        + attention_flops(spec, causal_pairs, spec.num_layers - 1)
+        + attention_flops(spec, tokens, 1)
+    )
 
 
 def head_flops(spec: ModelSpec, rows: int, outputs: int) -> int:

@@ -22,8 +22,10 @@ def read(package: Path) -> dict[str, Any]:
     manifest = check_format(json.loads((Path(package) / MANIFEST).read_text()))
     built = manifest["versions"]
     if built["torch"] != torch.__version__:
-        raise SpecError(f"package was built with torch {built['torch']}, this worker has {torch.__version__}: "
-                        "rebuild it on this machine type")
+        raise SpecError(
+            f"package was built with torch {built['torch']}, this worker has {torch.__version__}: "
+            "rebuild it on this machine type"
+        )
     if manifest["device"] == "cuda" and not torch.cuda.is_available():
         raise SpecError("package was built for cuda, but this worker has no CUDA device: rebuild with --device cpu")
     return manifest

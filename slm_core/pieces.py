@@ -21,10 +21,14 @@ PIECE_CHARS = 256  # about 50 tokens: a thread's share is worth more than handin
 CUT = re.compile(r"(?<=[A-Za-z0-9]) (?=[A-Za-z])")  # where a cut may fall: before the space
 # the split patterns of the byte-level vocabularies whose " word" pre-tokens are known (Qwen2's
 # and Qwen3's, Llama 3's); another Split pattern could match across a space, so it is encoded whole
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-               r"|\s+(?!\S)|\s+")
-LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 SPLITS = {QWEN2_SPLIT, LLAMA3_SPLIT}
 # components that act on characters or split at boundaries, never joining across a cut
 NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase"}
@@ -71,8 +75,9 @@ def cut(text: str, every: int = PIECE_CHARS) -> list[str]:
 class Pieces:
     """Whether a tokenizer's texts may be cut (usable), and their ids encoded in pieces (encode)."""
 
-    def __init__(self, tokenizer: tokenizers.Tokenizer, config: dict, every: int = PIECE_CHARS,
-                 threads: int | None = None):
+    def __init__(
+        self, tokenizer: tokenizers.Tokenizer, config: dict, every: int = PIECE_CHARS, threads: int | None = None
+    ):
         """config: the tokenizer's JSON (tokenizer.to_str()), parsed; every: the shortest piece;
         threads: the tokenizer's (tokenizer_threads())."""
         self.tokenizer, self.every = tokenizer, every
@@ -83,7 +88,7 @@ class Pieces:
         whole = tokenizer.encode(probe).ids
         at = next((k for k in range(len(whole) - len(plain) + 1) if whole[k : k + len(plain)] == plain), None)
         self.prefix = whole[:at] if at is not None else []
-        self.suffix = whole[at + len(plain):] if at is not None else []
+        self.suffix = whole[at + len(plain) :] if at is not None else []
         self.usable = at is not None and self._configured(config) and self._probed()
 
     def _spaced(self, token: dict) -> bool:
@@ -117,16 +122,28 @@ class Pieces:
             return False
         normalizers = _components(config.get("normalizer"), "normalizers")
         pre = _components(config.get("pre_tokenizer"), "pretokenizers")
-        if not pre or any(c["type"] not in PRE_TOKENIZERS for c in pre) or any(
-                c["type"] not in NORMALIZERS for c in normalizers):
+        if (
+            not pre
+            or any(c["type"] not in PRE_TOKENIZERS for c in pre)
+            or any(c["type"] not in NORMALIZERS for c in normalizers)
+        ):
             return False
         if any(c["type"] == "ByteLevel" and c.get("add_prefix_space") for c in pre):
             return False  # a space put before every piece
-        if any(c["type"] == "Split" and ((c.get("pattern") or {}).get("Regex") not in SPLITS or c.get("invert")
-                                         or c.get("behavior") != "Isolated") for c in pre):
+        if any(
+            c["type"] == "Split"
+            and (
+                (c.get("pattern") or {}).get("Regex") not in SPLITS
+                or c.get("invert")
+                or c.get("behavior") != "Isolated"
+            )
+            for c in pre
+        ):
             return False
-        return not any(self._spaced(t) or t.get("lstrip") or t.get("rstrip") or t.get("single_word")
-                       for t in config.get("added_tokens") or [])
+        return not any(
+            self._spaced(t) or t.get("lstrip") or t.get("rstrip") or t.get("single_word")
+            for t in config.get("added_tokens") or []
+        )
 
     def _probed(self) -> bool:
         """The pre-tokenizer begins a pre-token at every cut of the probes, and their pieces encode
@@ -140,7 +157,11 @@ class Pieces:
                 if at not in starts:
                     return False
             whole = self.tokenizer.encode(probe).ids
-            if self.prefix + [i for p in cuts for i in self.tokenizer.encode(p, add_special_tokens=False).ids] \
-                    + self.suffix != whole:
+            if (
+                self.prefix
+                + [i for p in cuts for i in self.tokenizer.encode(p, add_special_tokens=False).ids]
+                + self.suffix
+                != whole
+            ):
                 return False
         return True

@@ -15,8 +15,9 @@ jitter), at least 1 per GPU.
 """
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from slm_core.errors import SpecError
 
@@ -49,9 +50,13 @@ class ServingOptions:
             raise SpecError(f"serving option cuda_graphs must be true or false, got {self.cuda_graphs!r}")
         if type(self.batch_delay_ms) is not int or self.batch_delay_ms < 1:
             # TorchServe 0.12 reads a maxBatchDelay below 1 in an archive as unset: 100 ms per batch
-            raise SpecError(f"batch delay {self.batch_delay_ms!r} ms: TorchServe reads a maxBatchDelay below 1 "
-                            "in an archive as unset and waits 100 ms for every batch; give at least 1")
-        if any(type(i) is not int or i < 0 for i in self.device_ids) or len(set(self.device_ids)) != len(self.device_ids):
+            raise SpecError(
+                f"batch delay {self.batch_delay_ms!r} ms: TorchServe reads a maxBatchDelay below 1 "
+                "in an archive as unset and waits 100 ms for every batch; give at least 1"
+            )
+        if any(type(i) is not int or i < 0 for i in self.device_ids) or len(set(self.device_ids)) != len(
+            self.device_ids
+        ):
             raise SpecError(f"device_ids {list(self.device_ids)}: GPU indices are distinct and not negative")
 
 
@@ -78,9 +83,13 @@ class ServingSpec:
         TorchServe's default of 2 is near a CUDA worker's captures at load."""
         cuda = self.device == "cuda"
         return {
-            "minWorkers": self.workers, "maxWorkers": self.workers, "batchSize": self.batch,
-            "maxBatchDelay": self.batch_delay_ms, "jobQueueSize": self.queue,
-            "responseTimeout": self.response_timeout_s, "startupTimeout": 600,
+            "minWorkers": self.workers,
+            "maxWorkers": self.workers,
+            "batchSize": self.batch,
+            "maxBatchDelay": self.batch_delay_ms,
+            "jobQueueSize": self.queue,
+            "responseTimeout": self.response_timeout_s,
+            "startupTimeout": 600,
             "deviceType": "gpu" if cuda else "cpu",
             **({"deviceIds": list(self.device_ids)} if self.device_ids and cuda else {}),
             HANDLER: {"cuda_graphs": self.cuda_graphs, "deadline_ms": self.deadline_ms},
@@ -92,16 +101,22 @@ class ServingSpec:
         own = dict(config.get(HANDLER) or {})
         unknown = set(own) - {"cuda_graphs", "deadline_ms"}
         if unknown:
-            raise SpecError(f"unknown keys {sorted(unknown)} in model-config.yaml's {HANDLER!r} section "
-                            "(known: cuda_graphs, deadline_ms): rebuild the archive with this version")
+            raise SpecError(
+                f"unknown keys {sorted(unknown)} in model-config.yaml's {HANDLER!r} section "
+                "(known: cuda_graphs, deadline_ms): rebuild the archive with this version"
+            )
         if type(own.get("cuda_graphs", True)) is not bool:
             raise SpecError(f"model-config.yaml's cuda_graphs must be true or false, got {own['cuda_graphs']!r}")
-        return cls(device="cuda" if config.get("deviceType") == "gpu" else "cpu",
-                   workers=int(config.get("minWorkers", 1)), batch=int(config.get("batchSize", 1)),
-                   queue=int(config.get("jobQueueSize", CPU_QUEUE)),
-                   batch_delay_ms=int(config.get("maxBatchDelay", 1)),
-                   response_timeout_s=int(config.get("responseTimeout", 120)),
-                   device_ids=tuple(config.get("deviceIds") or ()), **own)
+        return cls(
+            device="cuda" if config.get("deviceType") == "gpu" else "cpu",
+            workers=int(config.get("minWorkers", 1)),
+            batch=int(config.get("batchSize", 1)),
+            queue=int(config.get("jobQueueSize", CPU_QUEUE)),
+            batch_delay_ms=int(config.get("maxBatchDelay", 1)),
+            response_timeout_s=int(config.get("responseTimeout", 120)),
+            device_ids=tuple(config.get("deviceIds") or ()),
+            **own,
+        )
 
 
 def plan(options: ServingOptions, device: str, max_batch: int, call_ms: dict[str, float]) -> tuple[ServingSpec, str]:
@@ -124,13 +139,27 @@ def plan(options: ServingOptions, device: str, max_batch: int, call_ms: dict[str
         call = call_time(call_ms, batch)
         room = deadline_room(deadline, call, batch, calls)
         queue = max(1, int(room)) * gpus
-        note = (f"queue of {queue} for a {deadline:g} ms deadline: a call of {batch} request(s) at the token bounds "
-                f"takes {call:.1f} ms, {calls} such call(s) at once per GPU, on {gpus} GPU(s)"
-                + ("" if room >= 1 else "; the calls at once and a request's own call already take most of the "
-                   "deadline: under overload, admitted requests may miss it (lower max_batch or the bounds)"))
-    spec = ServingSpec("cuda" if cuda else "cpu", workers, batch, queue, options.batch_delay_ms,
-                       options.response_timeout_s, tuple(options.device_ids) if cuda else (), options.cuda_graphs,
-                       deadline if options.queue is None else None)
+        note = (
+            f"queue of {queue} for a {deadline:g} ms deadline: a call of {batch} request(s) at the token bounds "
+            f"takes {call:.1f} ms, {calls} such call(s) at once per GPU, on {gpus} GPU(s)"
+            + (
+                ""
+                if room >= 1
+                else "; the calls at once and a request's own call already take most of the "
+                "deadline: under overload, admitted requests may miss it (lower max_batch or the bounds)"
+            )
+        )
+    spec = ServingSpec(
+        "cuda" if cuda else "cpu",
+        workers,
+        batch,
+        queue,
+        options.batch_delay_ms,
+        options.response_timeout_s,
+        tuple(options.device_ids) if cuda else (),
+        options.cuda_graphs,
+        deadline if options.queue is None else None,
+    )
     return spec, note
 
 

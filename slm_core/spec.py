@@ -4,9 +4,10 @@ errors. What a task kind means by its keys is the task's own (slm_core.tasks).""
 import dataclasses
 import difflib
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 import torch
 import yaml
@@ -172,8 +173,16 @@ class TaskSpec:
     def __post_init__(self):
         if not isinstance(self.task, str):
             raise SpecError(f"task key 'task' must be a string, got {self.task!r}")
-        for name in ("max_texts", "max_text_tokens", "beam_width", "new_tokens", "max_prompt_tokens", "max_items",
-                     "max_trie_nodes", "max_exclude"):
+        for name in (
+            "max_texts",
+            "max_text_tokens",
+            "beam_width",
+            "new_tokens",
+            "max_prompt_tokens",
+            "max_items",
+            "max_trie_nodes",
+            "max_exclude",
+        ):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise SpecError(f"task key {name!r} must be a positive integer, got {value!r}")

@@ -24,8 +24,9 @@ PROBES = ("probe", " two words, 12", "x\ny")  # texts without special tokens: th
 
 
 class PackedTokenizer:
-    def __init__(self, tokenizer: tokenizers.Tokenizer, template: str, placeholder: str,
-                 allow_special_tokens: bool = False):
+    def __init__(
+        self, tokenizer: tokenizers.Tokenizer, template: str, placeholder: str, allow_special_tokens: bool = False
+    ):
         if not isinstance(template, str) or placeholder not in template:
             raise SpecError(f"task key 'prompt_template' must be a string containing {placeholder!r}")
         self.tokenizer = tokenizer
@@ -84,13 +85,17 @@ class PackedTokenizer:
         if not text.strip():
             raise InputError(f"{where} is empty")
         if len(text) > limit * self._longest_token:
-            raise InputError(f"{where} is {len(text)} characters, more than {bound}={limit} tokens can hold",
-                             bound=bound, limit=limit)
+            raise InputError(
+                f"{where} is {len(text)} characters, more than {bound}={limit} tokens can hold",
+                bound=bound,
+                limit=limit,
+            )
         try:  # JSON's "\ud800" escapes decode to lone surrogates
             text.encode("utf-8")
         except UnicodeEncodeError as e:
-            raise InputError(f"{where} is not valid Unicode: a lone surrogate \\u{ord(text[e.start]):04x} "
-                             f"at character {e.start}") from None
+            raise InputError(
+                f"{where} is not valid Unicode: a lone surrogate \\u{ord(text[e.start]):04x} at character {e.start}"
+            ) from None
 
     def encode(self, texts: list[str]) -> "list[list[int] | InputError]":
         """Each text's token ids with the template, in one parallel pass: long texts in pieces
@@ -100,14 +105,22 @@ class PackedTokenizer:
         if self._fast is not None and not any(a in s for s in texts for a in self._unspecial):
             return [self._encode_fast(s) for s in texts]
         templated = [self.apply_template(s) for s in texts]
-        ids: list = (self._pieces.encode(templated) if self._pieces.usable else
-                     [enc.ids for enc in self.tokenizer.encode_batch_fast(templated)])
+        ids: list = (
+            self._pieces.encode(templated)
+            if self._pieces.usable
+            else [enc.ids for enc in self.tokenizer.encode_batch_fast(templated)]
+        )
         if self._escape:
             for i, text in enumerate(texts):
                 if self._count_specials(ids[i]) != self._template_specials:
-                    ids[i] = self._encode_literal(text) if self._faithful else InputError(
-                        "spells a special token, which this task's tokenizer cannot take as plain text (task key "
-                        "allow_special_tokens)")
+                    ids[i] = (
+                        self._encode_literal(text)
+                        if self._faithful
+                        else InputError(
+                            "spells a special token, which this task's tokenizer cannot take as plain text (task key "
+                            "allow_special_tokens)"
+                        )
+                    )
         return ids
 
     def decode(self, ids: list[int]) -> str:
@@ -135,8 +148,10 @@ class PackedTokenizer:
         fast = FastBpe(self.tokenizer, config)
         if not fast.usable:
             return None
-        self._fast_segments = [(piece, None if user else self.tokenizer.encode(piece, add_special_tokens=False).ids)
-                               for piece, user in self._template_segments()]
+        self._fast_segments = [
+            (piece, None if user else self.tokenizer.encode(piece, add_special_tokens=False).ids)
+            for piece, user in self._template_segments()
+        ]
         self._unspecial = [t.content for t in self.tokenizer.get_added_tokens_decoder().values() if not t.special]
         self._fast = fast
         if not all(self._encode_fast(p) == self.tokenizer.encode(self.apply_template(p)).ids for p in PROBES):
@@ -173,7 +188,10 @@ class PackedTokenizer:
 
     def _encode_literal(self, text: str) -> list[int]:
         """The ids of the templated text with special tokens matched in the template's pieces only."""
-        parts = [(self._literal if user else self.tokenizer).encode(piece.replace(self.placeholder, text),
-                                                                    add_special_tokens=False)
-                 for piece, user in self._segments]
+        parts = [
+            (self._literal if user else self.tokenizer).encode(
+                piece.replace(self.placeholder, text), add_special_tokens=False
+            )
+            for piece, user in self._segments
+        ]
         return self.tokenizer.post_process(tokenizers.Encoding.merge(parts, growing_offsets=True)).ids

@@ -91,7 +91,11 @@ def prefix_suffix_attention_ref(
 
 
 def random_prefix_inputs(
-    width: int, prompts: list[int], suffix: int, heads: tuple[int, int, int], device: str = "cpu",
+    width: int,
+    prompts: list[int],
+    suffix: int,
+    heads: tuple[int, int, int],
+    device: str = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, ...]:
     """Random (q, k_prefix, v_prefix, k_suffix, v_suffix, prefix_cu) for `width` beams of each
@@ -104,5 +108,11 @@ def random_prefix_inputs(
         return torch.randn(*shape, device=device, dtype=dtype)
 
     cu = torch.tensor([0] + list(prompts), device=device).cumsum(0).to(torch.int32)
-    return (randn(rows, hq, d), randn(t, hkv, d), randn(t, hkv, d), randn(rows, suffix, hkv, d),
-            randn(rows, suffix, hkv, d), cu)
+    return (
+        randn(rows, hq, d),
+        randn(t, hkv, d),
+        randn(t, hkv, d),
+        randn(rows, suffix, hkv, d),
+        randn(rows, suffix, hkv, d),
+        cu,
+    )

@@ -19,13 +19,31 @@ from torch.library import triton_op, wrap_triton
 
 from slm_kernels.online_softmax import launch_options, online_softmax_block
 
-
 GROUPED_ROWS = 64  # query rows (positions x padded group) per program
 
 
 @triton.jit
-def _fold_keys(q, pos, k_ptr, v_ptr, start, n0, length, kv_head, stride_kt, stride_kh, stride_vt, stride_vh, scale,
-               m_i, l_i, acc, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+def _fold_keys(
+    q,
+    pos,
+    k_ptr,
+    v_ptr,
+    start,
+    n0,
+    length,
+    kv_head,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    scale,
+    m_i,
+    l_i,
+    acc,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+):
     """Fold keys n0..n0+BLOCK_N-1 into the rows' online-softmax state; MASKED: causal and
     sequence-end masks (the blocks on the diagonal), else every key counts for every row."""
     cols = n0 + tl.arange(0, BLOCK_N)
@@ -45,9 +63,24 @@ def _fold_keys(q, pos, k_ptr, v_ptr, start, n0, length, kv_head, stride_kt, stri
 
 @triton.jit
 def _packed_attention_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, scale,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    cu_ptr,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """Row r of a program: position first + r // GROUP_PAD, query head kv_head * GROUP + r % GROUP_PAD
@@ -62,27 +95,79 @@ def _packed_attention_kernel(
     pos, head = first + r // GROUP_PAD, kv_head * GROUP + r % GROUP_PAD
     row_ok = (pos < length) & (r % GROUP_PAD < GROUP)
     dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + (start + pos)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
-                mask=row_ok[:, None], other=0.0)
+    q = tl.load(
+        q_ptr + (start + pos)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
     m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_M * GROUP_PAD, HEAD_DIM], tl.float32)
     full = first // BLOCK_N * BLOCK_N  # keys before every row of the program and inside the sequence
     for n0 in range(0, full, BLOCK_N):
-        m_i, l_i, acc = _fold_keys(q, pos, k_ptr, v_ptr, start, n0, length, kv_head, stride_kt, stride_kh, stride_vt,
-                                   stride_vh, scale, m_i, l_i, acc, HEAD_DIM, BLOCK_N, False)
+        m_i, l_i, acc = _fold_keys(
+            q,
+            pos,
+            k_ptr,
+            v_ptr,
+            start,
+            n0,
+            length,
+            kv_head,
+            stride_kt,
+            stride_kh,
+            stride_vt,
+            stride_vh,
+            scale,
+            m_i,
+            l_i,
+            acc,
+            HEAD_DIM,
+            BLOCK_N,
+            False,
+        )
     for n0 in range(full, tl.minimum(first + BLOCK_M, length), BLOCK_N):
-        m_i, l_i, acc = _fold_keys(q, pos, k_ptr, v_ptr, start, n0, length, kv_head, stride_kt, stride_kh, stride_vt,
-                                   stride_vh, scale, m_i, l_i, acc, HEAD_DIM, BLOCK_N, True)
+        m_i, l_i, acc = _fold_keys(
+            q,
+            pos,
+            k_ptr,
+            v_ptr,
+            start,
+            n0,
+            length,
+            kv_head,
+            stride_kt,
+            stride_kh,
+            stride_vt,
+            stride_vh,
+            scale,
+            m_i,
+            l_i,
+            acc,
+            HEAD_DIM,
+            BLOCK_N,
+            True,
+        )
     out = acc / l_i[:, None]
-    tl.store(o_ptr + (start + pos)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(
+        o_ptr + (start + pos)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+        out.to(o_ptr.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
 
 
 @triton_op("slm::packed_attention", mutates_args={})  # exports into AOTInductor graphs
 def packed_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float, max_seqlen: int,
-    block_m: int = 0, block_n: int = 0, num_warps: int = 4, num_stages: int = 3,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    max_seqlen: int,
+    block_m: int = 0,
+    block_n: int = 0,
+    num_warps: int = 4,
+    num_stages: int = 3,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D]; cu_seqlens: [N+1] int32; max_seqlen: a bound on every
     sequence's length (the task bound: the grid is static). Returns [T, Hq, D] in q's dtype.
@@ -100,9 +185,25 @@ def packed_attention(
     block_m = block_m or max(1, GROUPED_ROWS // group_pad)
     grid = (triton.cdiv(max_seqlen, block_m), cu_seqlens.shape[0] - 1, hkv)
     wrap_triton(_packed_attention_kernel)[grid](
-        q, k, v, out, cu_seqlens, scale,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        GROUP=hq // hkv, GROUP_PAD=group_pad, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n or min(128, 4096 // d),
+        q,
+        k,
+        v,
+        out,
+        cu_seqlens,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        GROUP=hq // hkv,
+        GROUP_PAD=group_pad,
+        HEAD_DIM=d,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n or min(128, 4096 // d),
         **launch_options(num_warps, num_stages),
     )
     return out

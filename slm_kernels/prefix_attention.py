@@ -31,13 +31,29 @@ def _rows(w_block, kv_head, prompt, width, GROUP: tl.constexpr, GROUP_PAD: tl.co
 @triton.jit
 def _queries(q_ptr, beam, head, ok, stride_qw, stride_qh, HEAD_DIM: tl.constexpr):
     dims = tl.arange(0, HEAD_DIM)
-    return tl.load(q_ptr + beam[:, None] * stride_qw + head[:, None] * stride_qh + dims[None, :], mask=ok[:, None],
-                   other=0.0)
+    return tl.load(
+        q_ptr + beam[:, None] * stride_qw + head[:, None] * stride_qh + dims[None, :], mask=ok[:, None], other=0.0
+    )
 
 
 @triton.jit
-def _prefix_blocks(q, kp_ptr, vp_ptr, start, lo, hi, kv_head, stride_kpt, stride_kph, stride_vpt, stride_vph, scale,
-                   M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+def _prefix_blocks(
+    q,
+    kp_ptr,
+    vp_ptr,
+    start,
+    lo,
+    hi,
+    kv_head,
+    stride_kpt,
+    stride_kph,
+    stride_vpt,
+    stride_vph,
+    scale,
+    M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """The online-softmax state (m, l, unnormalised output) of the M rows over the shared prompt's
     keys lo..hi-1 (one K/V tile for all rows); (-inf, 0, 0) when there are none."""
     dims = tl.arange(0, HEAD_DIM)
@@ -47,10 +63,16 @@ def _prefix_blocks(q, kp_ptr, vp_ptr, start, lo, hi, kv_head, stride_kpt, stride
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < hi
-        k = tl.load(kp_ptr + (start + cols)[:, None] * stride_kpt + kv_head * stride_kph + dims[None, :],
-                    mask=col_ok[:, None], other=0.0)
-        v = tl.load(vp_ptr + (start + cols)[:, None] * stride_vpt + kv_head * stride_vph + dims[None, :],
-                    mask=col_ok[:, None], other=0.0)
+        k = tl.load(
+            kp_ptr + (start + cols)[:, None] * stride_kpt + kv_head * stride_kph + dims[None, :],
+            mask=col_ok[:, None],
+            other=0.0,
+        )
+        v = tl.load(
+            vp_ptr + (start + cols)[:, None] * stride_vpt + kv_head * stride_vph + dims[None, :],
+            mask=col_ok[:, None],
+            other=0.0,
+        )
         s = (tl.dot(q, tl.trans(k)) * scale).to(tl.float32)  # AOTI passes scale as fp64
         s = tl.where(col_ok[None, :], s, float("-inf"))
         m_i, l_i, acc = online_softmax_block(s, v, m_i, l_i, acc)
@@ -58,15 +80,39 @@ def _prefix_blocks(q, kp_ptr, vp_ptr, start, lo, hi, kv_head, stride_kpt, stride
 
 
 @triton.jit
-def _suffix_keys(q, ks_ptr, vs_ptr, beam, ok, kv_head, stride_ksw, stride_kss, stride_ksh, stride_vsw, stride_vss,
-                 stride_vsh, scale, m_i, l_i, acc, SUFFIX: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _suffix_keys(
+    q,
+    ks_ptr,
+    vs_ptr,
+    beam,
+    ok,
+    kv_head,
+    stride_ksw,
+    stride_kss,
+    stride_ksh,
+    stride_vsw,
+    stride_vss,
+    stride_vsh,
+    scale,
+    m_i,
+    l_i,
+    acc,
+    SUFFIX: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
     """Fold each beam's own generated tokens (a handful: one key per row) into (m_i, l_i, acc)."""
     dims = tl.arange(0, HEAD_DIM)
     for j in range(SUFFIX):
-        k = tl.load(ks_ptr + beam[:, None] * stride_ksw + j * stride_kss + kv_head * stride_ksh + dims[None, :],
-                    mask=ok[:, None], other=0.0)
-        v = tl.load(vs_ptr + beam[:, None] * stride_vsw + j * stride_vss + kv_head * stride_vsh + dims[None, :],
-                    mask=ok[:, None], other=0.0)
+        k = tl.load(
+            ks_ptr + beam[:, None] * stride_ksw + j * stride_kss + kv_head * stride_ksh + dims[None, :],
+            mask=ok[:, None],
+            other=0.0,
+        )
+        v = tl.load(
+            vs_ptr + beam[:, None] * stride_vsw + j * stride_vss + kv_head * stride_vsh + dims[None, :],
+            mask=ok[:, None],
+            other=0.0,
+        )
         s = (tl.sum(q.to(tl.float32) * k.to(tl.float32), 1) * scale).to(tl.float32)
         m_new = tl.maximum(m_i, s)
         alpha = tl.exp(m_i - m_new)
@@ -79,11 +125,35 @@ def _suffix_keys(q, ks_ptr, vs_ptr, beam, ok, kv_head, stride_ksw, stride_kss, s
 
 @triton.jit
 def _prefix_attention_kernel(
-    q_ptr, kp_ptr, vp_ptr, ks_ptr, vs_ptr, o_ptr, cu_ptr, scale, width,
-    stride_qw, stride_qh, stride_kpt, stride_kph, stride_vpt, stride_vph,
-    stride_ksw, stride_kss, stride_ksh, stride_vsw, stride_vss, stride_vsh, stride_ow, stride_oh,
-    SUFFIX: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr,
+    q_ptr,
+    kp_ptr,
+    vp_ptr,
+    ks_ptr,
+    vs_ptr,
+    o_ptr,
+    cu_ptr,
+    scale,
+    width,
+    stride_qw,
+    stride_qh,
+    stride_kpt,
+    stride_kph,
+    stride_vpt,
+    stride_vph,
+    stride_ksw,
+    stride_kss,
+    stride_ksh,
+    stride_vsw,
+    stride_vss,
+    stride_vsh,
+    stride_ow,
+    stride_oh,
+    SUFFIX: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """One program: its rows over the whole prompt, then their suffixes, then the output."""
     w_block, kv_head, prompt = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -91,20 +161,64 @@ def _prefix_attention_kernel(
     prefix_len = tl.load(cu_ptr + prompt + 1) - start
     beam, head, ok = _rows(w_block, kv_head, prompt, width, GROUP, GROUP_PAD, BLOCK_W)
     q = _queries(q_ptr, beam, head, ok, stride_qw, stride_qh, HEAD_DIM)
-    m_i, l_i, acc = _prefix_blocks(q, kp_ptr, vp_ptr, start, 0, prefix_len, kv_head, stride_kpt, stride_kph,
-                                   stride_vpt, stride_vph, scale, BLOCK_W * GROUP_PAD, HEAD_DIM, BLOCK_N)
+    m_i, l_i, acc = _prefix_blocks(
+        q,
+        kp_ptr,
+        vp_ptr,
+        start,
+        0,
+        prefix_len,
+        kv_head,
+        stride_kpt,
+        stride_kph,
+        stride_vpt,
+        stride_vph,
+        scale,
+        BLOCK_W * GROUP_PAD,
+        HEAD_DIM,
+        BLOCK_N,
+    )
     dims = tl.arange(0, HEAD_DIM)
-    m_i, l_i, acc = _suffix_keys(q, ks_ptr, vs_ptr, beam, ok, kv_head, stride_ksw, stride_kss, stride_ksh, stride_vsw,
-                                 stride_vss, stride_vsh, scale, m_i, l_i, acc, SUFFIX, HEAD_DIM)
+    m_i, l_i, acc = _suffix_keys(
+        q,
+        ks_ptr,
+        vs_ptr,
+        beam,
+        ok,
+        kv_head,
+        stride_ksw,
+        stride_kss,
+        stride_ksh,
+        stride_vsw,
+        stride_vss,
+        stride_vsh,
+        scale,
+        m_i,
+        l_i,
+        acc,
+        SUFFIX,
+        HEAD_DIM,
+    )
     out = acc / l_i[:, None]
-    tl.store(o_ptr + beam[:, None] * stride_ow + head[:, None] * stride_oh + dims[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=ok[:, None])
+    tl.store(
+        o_ptr + beam[:, None] * stride_ow + head[:, None] * stride_oh + dims[None, :],
+        out.to(o_ptr.dtype.element_ty),
+        mask=ok[:, None],
+    )
 
 
 @triton_op("slm::prefix_suffix_attention", mutates_args={})  # exports into AOTInductor graphs
 def prefix_suffix_attention(
-    q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor, k_suffix: torch.Tensor, v_suffix: torch.Tensor,
-    scale: float, prefix_cu: torch.Tensor, block_w: int = 0, block_n: int = 64, num_warps: int = 4,
+    q: torch.Tensor,
+    k_prefix: torch.Tensor,
+    v_prefix: torch.Tensor,
+    k_suffix: torch.Tensor,
+    v_suffix: torch.Tensor,
+    scale: float,
+    prefix_cu: torch.Tensor,
+    block_w: int = 0,
+    block_n: int = 64,
+    num_warps: int = 4,
     num_stages: int = 3,
 ) -> torch.Tensor:
     """q: [B*W, Hq, D]; k/v_prefix: [T, Hkv, D] with prompt b at rows prefix_cu[b]..prefix_cu[b+1]-1;
@@ -116,9 +230,16 @@ def prefix_suffix_attention(
     hkv = k_prefix.shape[1]
     s = k_suffix.shape[1]
     prompts = prefix_cu.shape[0] - 1
-    if hq % hkv or d not in (16, 32, 64, 128) or k_suffix.shape != (rows, s, hkv, d) or v_prefix.shape != k_prefix.shape:
-        raise ValueError(f"prefix_suffix_attention: unsupported shapes q {tuple(q.shape)}, "
-                         f"prefix {tuple(k_prefix.shape)}, suffix {tuple(k_suffix.shape)}, {prompts} prompts")
+    if (
+        hq % hkv
+        or d not in (16, 32, 64, 128)
+        or k_suffix.shape != (rows, s, hkv, d)
+        or v_prefix.shape != k_prefix.shape
+    ):
+        raise ValueError(
+            f"prefix_suffix_attention: unsupported shapes q {tuple(q.shape)}, "
+            f"prefix {tuple(k_prefix.shape)}, suffix {tuple(k_suffix.shape)}, {prompts} prompts"
+        )
     if any(t.stride(-1) != 1 for t in (q, k_prefix, v_prefix, k_suffix, v_suffix)):
         raise ValueError("prefix_suffix_attention: the head dimension must be contiguous")
     width = rows // prompts  # the beams of one prompt (rows are a whole number of prompts' beams)
@@ -132,10 +253,32 @@ def prefix_suffix_attention(
     ks, vs = (k_prefix, v_prefix) if s == 0 else (k_suffix, v_suffix)
     group = dict(GROUP=hq // hkv, GROUP_PAD=group_pad, HEAD_DIM=d, BLOCK_W=block_w)
     wrap_triton(_prefix_attention_kernel)[grid](
-        q, k_prefix, v_prefix, ks, vs, out, prefix_cu, scale, width,
-        q.stride(0), q.stride(1), k_prefix.stride(0), k_prefix.stride(1), v_prefix.stride(0), v_prefix.stride(1),
-        k_suffix.stride(0), k_suffix.stride(1), k_suffix.stride(2), v_suffix.stride(0), v_suffix.stride(1),
-        v_suffix.stride(2), out.stride(0), out.stride(1),
-        SUFFIX=s, BLOCK_N=block_n, **group, **launch_options(num_warps, num_stages),
+        q,
+        k_prefix,
+        v_prefix,
+        ks,
+        vs,
+        out,
+        prefix_cu,
+        scale,
+        width,
+        q.stride(0),
+        q.stride(1),
+        k_prefix.stride(0),
+        k_prefix.stride(1),
+        v_prefix.stride(0),
+        v_prefix.stride(1),
+        k_suffix.stride(0),
+        k_suffix.stride(1),
+        k_suffix.stride(2),
+        v_suffix.stride(0),
+        v_suffix.stride(1),
+        v_suffix.stride(2),
+        out.stride(0),
+        out.stride(1),
+        SUFFIX=s,
+        BLOCK_N=block_n,
+        **group,
+        **launch_options(num_warps, num_stages),
     )
     return out

@@ -7,8 +7,6 @@ on the H200). The arithmetic is FP32 with transformers' rounding points of the Q
 (normalised value and weighted value in the model dtype); RoPE is rounded once, at the store.
 """
 
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
@@ -16,8 +14,18 @@ from torch.library import triton_op, wrap_triton
 
 
 @triton.jit
-def _norm_rotate(src, dst, w_ptr, cos, sin, eps, HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, NORM: tl.constexpr):
+def _norm_rotate(
+    src,
+    dst,
+    w_ptr,
+    cos,
+    sin,
+    eps,
+    HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NORM: tl.constexpr,
+):
     """Heads [HEADS, HEAD_DIM] at src -> normalised (NORM) and rotated at dst (contiguous)."""
     HALF: tl.constexpr = HEAD_DIM // 2
     h = tl.arange(0, HEADS_PAD)[:, None]
@@ -38,9 +46,24 @@ def _norm_rotate(src, dst, w_ptr, cos, sin, eps, HEADS: tl.constexpr, HEADS_PAD:
 
 @triton.jit
 def _qkv_rope_kernel(
-    qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, v_ptr, eps, stride_qkv, stride_cos,
-    HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, KV_HEADS: tl.constexpr, KV_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, V_PAD: tl.constexpr, NORM: tl.constexpr,
+    qkv_ptr,
+    cos_ptr,
+    sin_ptr,
+    qw_ptr,
+    kw_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    eps,
+    stride_qkv,
+    stride_cos,
+    HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    KV_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    V_PAD: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, HEAD_DIM // 2)[None, :]
@@ -48,8 +71,18 @@ def _qkv_rope_kernel(
     sin = tl.load(sin_ptr + t * stride_cos + d).to(tl.float32)
     row = qkv_ptr + t * stride_qkv
     _norm_rotate(row, q_ptr + t * (HEADS * HEAD_DIM), qw_ptr, cos, sin, eps, HEADS, HEADS_PAD, HEAD_DIM, NORM)
-    _norm_rotate(row + HEADS * HEAD_DIM, k_ptr + t * (KV_HEADS * HEAD_DIM), kw_ptr, cos, sin, eps,
-                 KV_HEADS, KV_PAD, HEAD_DIM, NORM)
+    _norm_rotate(
+        row + HEADS * HEAD_DIM,
+        k_ptr + t * (KV_HEADS * HEAD_DIM),
+        kw_ptr,
+        cos,
+        sin,
+        eps,
+        KV_HEADS,
+        KV_PAD,
+        HEAD_DIM,
+        NORM,
+    )
     cols = tl.arange(0, V_PAD)
     v_ok = cols < KV_HEADS * HEAD_DIM
     v = tl.load(row + (HEADS + KV_HEADS) * HEAD_DIM + cols, mask=v_ok)
@@ -58,8 +91,14 @@ def _qkv_rope_kernel(
 
 @triton_op("slm::qkv_rope", mutates_args={})  # exports into AOTInductor graphs
 def qkv_rope(
-    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
-    q_weight: Optional[torch.Tensor] = None, k_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    q_weight: torch.Tensor | None = None,
+    k_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """As slm_kernels.layer_ref.qkv_rope_ref; q, k, v come back contiguous."""
     t, d = qkv.shape[0], cos.shape[-1]
@@ -72,9 +111,23 @@ def qkv_rope(
     v = qkv.new_empty(t, kv_heads, d)
     norm = q_weight is not None
     wrap_triton(_qkv_rope_kernel)[(t,)](
-        qkv, cos, sin, q_weight if norm else qkv, k_weight if norm else qkv, q, k, v, eps,
-        qkv.stride(0), cos.stride(0),
-        HEADS=heads, HEADS_PAD=triton.next_power_of_2(heads), KV_HEADS=kv_heads,
-        KV_PAD=triton.next_power_of_2(kv_heads), HEAD_DIM=d, V_PAD=triton.next_power_of_2(kv_heads * d), NORM=norm,
+        qkv,
+        cos,
+        sin,
+        q_weight if norm else qkv,
+        k_weight if norm else qkv,
+        q,
+        k,
+        v,
+        eps,
+        qkv.stride(0),
+        cos.stride(0),
+        HEADS=heads,
+        HEADS_PAD=triton.next_power_of_2(heads),
+        KV_HEADS=kv_heads,
+        KV_PAD=triton.next_power_of_2(kv_heads),
+        HEAD_DIM=d,
+        V_PAD=triton.next_power_of_2(kv_heads * d),
+        NORM=norm,
     )
     return q, k, v

@@ -26,8 +26,7 @@ def _silu_mul(x_ptr, row, cols, ok, inner, stride_x, dtype: tl.constexpr):
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, scale, inner, stride_x, stride_out, BLOCK: tl.constexpr,
-                     STATIC: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, scale, inner, stride_x, stride_out, BLOCK: tl.constexpr, STATIC: tl.constexpr):
     """One block of a row; STATIC: divided by `scale`, saturated to E4M3's range."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -44,7 +43,14 @@ def _silu_mul_into(gate_up: torch.Tensor, out_dtype: torch.dtype, scale: float, 
         raise ValueError(f"silu_mul: needs [T, 2I] with contiguous rows, got {tuple(gate_up.shape)}")
     out = gate_up.new_empty(t, width // 2, dtype=out_dtype)
     wrap_triton(_silu_mul_kernel)[(t, triton.cdiv(width // 2, block))](
-        gate_up, out, scale, width // 2, gate_up.stride(0), out.stride(0), BLOCK=block, STATIC=scale > 0,
+        gate_up,
+        out,
+        scale,
+        width // 2,
+        gate_up.stride(0),
+        out.stride(0),
+        BLOCK=block,
+        STATIC=scale > 0,
     )
     return out
 

@@ -33,8 +33,9 @@ from torch.library import triton_op, wrap_triton
 
 
 @triton.jit
-def _group_max_pass(x_ptr, gmax_ptr, bmax_ptr, bsum_ptr, vocab, n_groups, stride_x,
-                    GROUP: tl.constexpr, GROUPS: tl.constexpr):
+def _group_max_pass(
+    x_ptr, gmax_ptr, bmax_ptr, bsum_ptr, vocab, n_groups, stride_x, GROUP: tl.constexpr, GROUPS: tl.constexpr
+):
     """Program (row, block): GROUPS groups of GROUP columns. Writes each group's maximum, and the
     block's maximum and sum of exp(x - maximum)."""
     row, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
@@ -52,8 +53,12 @@ def _group_max_pass(x_ptr, gmax_ptr, bmax_ptr, bsum_ptr, vocab, n_groups, stride
 
 
 @triton_op("slm::vocab_topk", mutates_args={})  # exports into AOTInductor graphs
-def vocab_topk(logits: torch.Tensor, k: int, group: int = 32, block: int = 4096,
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def vocab_topk(
+    logits: torch.Tensor,
+    k: int,
+    group: int = 32,
+    block: int = 4096,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [R, V] bf16 or fp32. Returns the k largest values per row [R, k] (logits' dtype,
     unsorted), their column ids [R, k] int64, and logsumexp [R] fp32. `group` (a power of two) is
     lowered until the row has at least k groups; `block` columns go to one program."""
@@ -69,8 +74,9 @@ def vocab_topk(logits: torch.Tensor, k: int, group: int = 32, block: int = 4096,
     gmax = torch.empty(rows, n_groups, dtype=logits.dtype, device=dev)
     bmax = torch.empty(rows, n_blocks, dtype=torch.float32, device=dev)
     bsum = torch.empty(rows, n_blocks, dtype=torch.float32, device=dev)
-    wrap_triton(_group_max_pass)[(rows, n_blocks)](logits, gmax, bmax, bsum, vocab, n_groups, logits.stride(0),
-                                                   GROUP=group, GROUPS=groups)
+    wrap_triton(_group_max_pass)[(rows, n_blocks)](
+        logits, gmax, bmax, bsum, vocab, n_groups, logits.stride(0), GROUP=group, GROUPS=groups
+    )
     chosen = gmax.topk(k, dim=1, sorted=False).indices  # [R, k] groups
     cols = (chosen[:, :, None] * group + torch.arange(group, device=dev)).flatten(1)  # [R, k * group]
     values = logits.gather(1, cols.clamp_max(vocab - 1)).masked_fill(cols >= vocab, float("-inf"))

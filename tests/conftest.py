@@ -73,17 +73,43 @@ def train_tokenizer(path: Path, vocab_size: int = 400) -> None:
 
 RANDOM_CONFIGS = {
     # QKV bias, tied embeddings.
-    "qwen2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen2": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
     # q/k RMSNorm, head_dim != hidden / heads, untied.
-    "qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=32, tie_word_embeddings=False),
+    "qwen3": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+    ),
     # llama3 RoPE scaling, all biases, MQA, untied.
-    "llama": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=1, tie_word_embeddings=False, attention_bias=True, mlp_bias=True,
-                  rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0,
-                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                   "original_max_position_embeddings": 32}),
+    "llama": dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        tie_word_embeddings=False,
+        attention_bias=True,
+        mlp_bias=True,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    ),
 }
 
 
@@ -101,8 +127,14 @@ def random_checkpoint(tmp_path_factory):
         folder = tmp_path_factory.mktemp(f"random-{arch}")
         train_tokenizer(folder / "tokenizer.json")
         vocab = json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]
-        cfg = AutoConfig.for_model(arch, vocab_size=len(vocab), initializer_range=0.25, rms_norm_eps=1e-6,
-                                   max_position_embeddings=1024, **RANDOM_CONFIGS[arch])
+        cfg = AutoConfig.for_model(
+            arch,
+            vocab_size=len(vocab),
+            initializer_range=0.25,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=1024,
+            **RANDOM_CONFIGS[arch],
+        )
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
         model.save_pretrained(folder)
@@ -121,10 +153,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-SCORE_TASK = {"task": "score", "prompt_template": "Query: {text} Answer:", "labels": ["yes", "no"],
-              "max_texts": 8, "max_text_tokens": 64, "precision": "fp32", "max_batch": 3}
-BEAM_TASK = {"task": "beam", "beam_width": 4, "new_tokens": 3, "max_prompt_tokens": 64, "stop": ["<|im_end|>"], "max_batch": 2,
-             "precision": "fp32"}
+SCORE_TASK = {
+    "task": "score",
+    "prompt_template": "Query: {text} Answer:",
+    "labels": ["yes", "no"],
+    "max_texts": 8,
+    "max_text_tokens": 64,
+    "precision": "fp32",
+    "max_batch": 3,
+}
+BEAM_TASK = {
+    "task": "beam",
+    "beam_width": 4,
+    "new_tokens": 3,
+    "max_prompt_tokens": 64,
+    "stop": ["<|im_end|>"],
+    "max_batch": 2,
+    "precision": "fp32",
+}
 
 
 @pytest.fixture(scope="session")
@@ -144,8 +190,17 @@ def archives(tmp_path_factory, random_checkpoint):
     out = {"store": store, "checkpoint": folder}
     for name, task in (("tiny_score", SCORE_TASK), ("tiny_beam", BEAM_TASK)):
         (root / f"{name}.yaml").write_text(yaml.safe_dump(task))
-        args = ["build", "--checkpoint", str(folder), "--task", str(root / f"{name}.yaml"), "--model-name", name,
-                "--export-path", str(store)] + (["--queue", "30"] if name == "tiny_score" else ["--deadline-ms", "80"])
+        args = [
+            "build",
+            "--checkpoint",
+            str(folder),
+            "--task",
+            str(root / f"{name}.yaml"),
+            "--model-name",
+            name,
+            "--export-path",
+            str(store),
+        ] + (["--queue", "30"] if name == "tiny_score" else ["--deadline-ms", "80"])
         assert main(args) == 0
         unpacked = root / name
         zipfile.ZipFile(store / f"{name}.mar").extractall(unpacked)

@@ -16,8 +16,8 @@ TASK = REPO / "archiver" / "tasks" / "smollm2-intent.yaml"
 
 
 def properties(path: Path) -> dict[str, str]:
-    lines = [l.strip() for l in path.read_text().splitlines()]
-    return dict(l.split("=", 1) for l in lines if l and not l.startswith("#"))
+    lines = [line.strip() for line in path.read_text().splitlines()]
+    return dict(line.split("=", 1) for line in lines if line and not line.startswith("#"))
 
 
 CONFIG = properties(DEPLOY / "config.properties")
@@ -32,8 +32,16 @@ def serve_env(tmp_path: Path, python: str, checkpoint: str, **extra) -> dict:
     if not tasks.exists():
         tasks.mkdir()
         shutil.copy(TASK, tasks)
-    return {**os.environ, "PYTHON": python, "CHECKPOINT": checkpoint, "TASKS_DIR": str(tasks),
-            "MODEL_STORE": str(tmp_path / "store"), "DEVICE": "cpu", "BUILD_ONLY": "1", **extra}
+    return {
+        **os.environ,
+        "PYTHON": python,
+        "CHECKPOINT": checkpoint,
+        "TASKS_DIR": str(tasks),
+        "MODEL_STORE": str(tmp_path / "store"),
+        "DEVICE": "cpu",
+        "BUILD_ONLY": "1",
+        **extra,
+    }
 
 
 def stop_replica(proc: subprocess.Popen, timeout: float) -> None:

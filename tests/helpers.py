@@ -27,15 +27,21 @@ def hf_beam(model, prompt_ids: list[int], width: int, new_tokens: int, stop_ids:
     """[(token ids up to the end, score)] from generate(), best first, pad after the end stripped
     using the stop ids (a candidate ends at its first stop token or after new_tokens)."""
     out = model.generate(
-        torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-        num_beams=width, num_return_sequences=width, max_new_tokens=new_tokens,
-        eos_token_id=stop_ids or None, pad_token_id=pad_id, output_scores=True, output_logits=True,
+        torch.tensor([prompt_ids]),
+        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        num_beams=width,
+        num_return_sequences=width,
+        max_new_tokens=new_tokens,
+        eos_token_id=stop_ids or None,
+        pad_token_id=pad_id,
+        output_scores=True,
+        output_logits=True,
         return_dict_in_generate=True,
         **GENERATE,
     )
-    sequences = out.sequences[:, len(prompt_ids):].tolist()
+    sequences = out.sequences[:, len(prompt_ids) :].tolist()
     if width == 1:  # generate() runs greedy search: no sequences_scores, sum the chosen log-probs
-        steps = [torch.log_softmax(l[0].float(), -1)[t].item() for l, t in zip(out.logits, sequences[0])]
+        steps = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, sequences[0])]
         scores = [sum(steps[: _end(sequences[0], stop_ids)])]
     else:
         scores = out.sequences_scores.tolist()
@@ -72,22 +78,37 @@ def text_ids(engine: Engine, texts: list[str]) -> list[list[int]]:
 
 
 # --- classifier checkpoints (head: classifier) ----------------------------------------------------
-CLASSIFIER_TEXTS = ["the quick brown fox", "is this query about travel or music?", "a", "numbers like 12 and 345 appear"]
+CLASSIFIER_TEXTS = [
+    "the quick brown fox",
+    "is this query about travel or music?",
+    "a",
+    "numbers like 12 and 345 appear",
+]
 CLASSIFIER_NAMES = {2: ["irrelevant", "relevant"], 5: ["news", "music", "travel", "shopping", "other"]}
 
 
 def classifier_checkpoint(folder, arch: str, labels: int, id2label: bool = True):
     """A random `*ForSequenceClassification` checkpoint (wide init: peaked rows) and its HF model."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
-
     from conftest import RANDOM_CONFIGS, train_tokenizer
+    from transformers import AutoConfig, AutoModelForSequenceClassification
 
     train_tokenizer(folder / "tokenizer.json")
     vocab = json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]
-    names = {"id2label": dict(enumerate(CLASSIFIER_NAMES[labels])), "label2id": {n: i for i, n in enumerate(CLASSIFIER_NAMES[labels])}}
-    cfg = AutoConfig.for_model(arch, vocab_size=len(vocab), initializer_range=0.25, rms_norm_eps=1e-6,
-                               max_position_embeddings=1024, num_labels=labels, pad_token_id=0,
-                               **(names if id2label else {}), **RANDOM_CONFIGS[arch])
+    names = {
+        "id2label": dict(enumerate(CLASSIFIER_NAMES[labels])),
+        "label2id": {n: i for i, n in enumerate(CLASSIFIER_NAMES[labels])},
+    }
+    cfg = AutoConfig.for_model(
+        arch,
+        vocab_size=len(vocab),
+        initializer_range=0.25,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=1024,
+        num_labels=labels,
+        pad_token_id=0,
+        **(names if id2label else {}),
+        **RANDOM_CONFIGS[arch],
+    )
     torch.manual_seed(1)
     model = AutoModelForSequenceClassification.from_config(cfg, dtype=torch.float32).eval()
     model.save_pretrained(folder)
@@ -98,8 +119,7 @@ def hf_rows(model, engine: Engine, texts: list[str]) -> torch.Tensor:
     """HF logits, one text at a time (its pooling takes the last token then: no padding)."""
     tok = engine.tokenizer
     with torch.no_grad():
-        return torch.cat([model(torch.tensor([tok.tokenizer.encode(tok.apply_template(t)).ids])).logits
-                          for t in texts])
+        return torch.cat([model(torch.tensor([tok.tokenizer.encode(tok.apply_template(t)).ids])).logits for t in texts])
 
 
 # --- embedding and MLP heads (head: embedding, head: mlp) ----------------------------------------
@@ -109,8 +129,14 @@ def hf_embeddings(model, ids_per_text: list[list[int]]) -> torch.Tensor:
     return torch.stack([model.model(torch.tensor([ids])).last_hidden_state[0, -1].float() for ids in ids_per_text])
 
 
-def write_mlp(path, widths: list[int], activation: str | None = "gelu", labels: list[str] | None = None,
-              bias: bool = True, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+def write_mlp(
+    path,
+    widths: list[int],
+    activation: str | None = "gelu",
+    labels: list[str] | None = None,
+    bias: bool = True,
+    seed: int = 0,
+) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """A random MLP of widths[0] inputs -> ... -> widths[-1] outputs; returns its layers."""
     from safetensors.torch import save_file
 
@@ -151,8 +177,15 @@ class ItemTrie:
 
 
 @torch.no_grad()
-def hf_catalog_beam(model, prompt_ids: list[int], width: int, new_tokens: int, stop_ids: list[int],
-                    items: list[list[int]], catalog_scores: str = "vocab"):
+def hf_catalog_beam(
+    model,
+    prompt_ids: list[int],
+    width: int,
+    new_tokens: int,
+    stop_ids: list[int],
+    items: list[list[int]],
+    catalog_scores: str = "vocab",
+):
     """[(token ids up to the end, score)] of transformers' beam search constrained to `items`,
     best first, the candidates scored above -1e8 only. "vocab" scores as transformers does
     (log_softmax over the vocabulary, then prefix_allowed_tokens_fn's mask); "catalog" normalises
@@ -173,12 +206,24 @@ def hf_catalog_beam(model, prompt_ids: list[int], width: int, new_tokens: int, s
             return scores + mask
 
     pad = stop_ids[0] if stop_ids else 0
-    constraint = (dict(prefix_allowed_tokens_fn=lambda batch, seq: trie.allowed(tuple(seq[start:].tolist())))
-                  if catalog_scores == "vocab" else dict(logits_processor=LogitsProcessorList([Constrain()])))
+    constraint = (
+        dict(prefix_allowed_tokens_fn=lambda batch, seq: trie.allowed(tuple(seq[start:].tolist())))
+        if catalog_scores == "vocab"
+        else dict(logits_processor=LogitsProcessorList([Constrain()]))
+    )
     out = model.generate(
-        torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-        num_beams=width, num_return_sequences=width, max_new_tokens=new_tokens, eos_token_id=stop_ids or None,
-        pad_token_id=pad, output_scores=True, return_dict_in_generate=True, **constraint, **GENERATE)
+        torch.tensor([prompt_ids]),
+        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        num_beams=width,
+        num_return_sequences=width,
+        max_new_tokens=new_tokens,
+        eos_token_id=stop_ids or None,
+        pad_token_id=pad,
+        output_scores=True,
+        return_dict_in_generate=True,
+        **constraint,
+        **GENERATE,
+    )
     result = []
     for seq, score in zip(out.sequences[:, start:].tolist(), out.sequences_scores.tolist()):
         if score > -1e8:
@@ -190,5 +235,8 @@ def hf_catalog_beam(model, prompt_ids: list[int], width: int, new_tokens: int, s
 def write_catalog(path, items: list, ids: list | None = None) -> None:
     """A JSONL catalog: token lists as {"id", "tokens"}, strings as {"id", "text"}."""
     ids = ids or [f"item-{i}" for i in range(len(items))]
-    path.write_text("".join(json.dumps({"id": i, "tokens" if isinstance(x, list) else "text": x}) + "\n"
-                            for i, x in zip(ids, items)))
+    path.write_text(
+        "".join(
+            json.dumps({"id": i, "tokens" if isinstance(x, list) else "text": x}) + "\n" for i, x in zip(ids, items)
+        )
+    )

@@ -33,8 +33,9 @@ INF = float("inf")
 class BeamGraph(nn.Module):
     lm_head: ClassVar[bool] = True
 
-    def __init__(self, model: Transformer, beam_width: int, new_tokens: int, stop_ids: list[int], pad_id: int,
-                 topk=None):
+    def __init__(
+        self, model: Transformer, beam_width: int, new_tokens: int, stop_ids: list[int], pad_id: int, topk=None
+    ):
         super().__init__()
         self.topk = topk  # slm_kernels.vocab_topk.vocab_topk, or None for torch.topk + torch.logsumexp
         if 2 * beam_width > model.spec.vocab_size:
@@ -55,7 +56,9 @@ class BeamGraph(nn.Module):
         if runtime.kernels == "triton":
             from slm_kernels.vocab_topk import vocab_topk as topk
         stop = task.stop_ids
-        return cls(model, task.width, task.new_tokens, stop, pad_id=stop[0] if stop else 0, topk=topk, **cls.options(task))
+        return cls(
+            model, task.width, task.new_tokens, stop, pad_id=stop[0] if stop else 0, topk=topk, **cls.options(task)
+        )
 
     @classmethod
     def options(cls, task) -> dict:
@@ -74,8 +77,15 @@ class BeamGraph(nn.Module):
     def logits(self, hidden: torch.Tensor, head: torch.Tensor | None) -> torch.Tensor:
         return self.model.logits(hidden)
 
-    def expand(self, logits: torch.Tensor, cum: torch.Tensor, state: tuple[torch.Tensor, ...], step: int,
-               options: torch.Tensor, constants: tuple[torch.Tensor, ...]) -> tuple:
+    def expand(
+        self,
+        logits: torch.Tensor,
+        cum: torch.Tensor,
+        state: tuple[torch.Tensor, ...],
+        step: int,
+        options: torch.Tensor,
+        constants: tuple[torch.Tensor, ...],
+    ) -> tuple:
         """logits: [B*K, V], the K running beams of each prompt; cum: [B, K] fp32. Per prompt, the
         top 2W of its continuations, in any order: scores [B, 2W] fp32, each one's place among them
         [B, 2W] (0: the best, as `top`), parent beam [B, 2W] (of K), token [B, 2W], whether it ends
@@ -98,16 +108,22 @@ class BeamGraph(nn.Module):
         return scores, place, flat // k, token, torch.isin(token, self.stop_ids), (), None
 
     # --- the search ---------------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, options: torch.Tensor
-                ) -> tuple[torch.Tensor, ...]:
+    def forward(
+        self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, options: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         """input_ids: [T] int32, B prompts packed; cu_seqlens: [B+1] int32; options: [B, 2] int32,
         each prompt's beam width and new tokens. Returns per prompt, best first: tokens [B, W, N]
         int64 (pad after the end), lengths [B, W] int64, scores [B, W] fp32 (cumulative
         log-probabilities; below -1e8 where the prompt has fewer candidates)."""
         return self.search(input_ids, cu_seqlens, options, ())[:3]
 
-    def search(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, options: torch.Tensor,
-               constants: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    def search(
+        self,
+        input_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        options: torch.Tensor,
+        constants: tuple[torch.Tensor, ...],
+    ) -> tuple[torch.Tensor, ...]:
         """forward's outputs and the item of each pool candidate [B, W] (-1 without items)."""
         w, n, dev = self.width, self.new_tokens, input_ids.device
         b = cu_seqlens.shape[0] - 1
@@ -133,7 +149,9 @@ class BeamGraph(nn.Module):
                 last = history[:, :, -1].reshape(-1)  # [B*W]
                 hidden, suffix = self.model.decode(last, prompt_len + (step - 2), prefix, cu_seqlens, suffix)
                 logits = self.logits(hidden, head)  # [B*W, V]
-            scores, place, parent, token, stopped, grown, item = self.expand(logits, cum, state, step, options, constants)
+            scores, place, parent, token, stopped, grown, item = self.expand(
+                logits, cum, state, step, options, constants
+            )
             scores = torch.where(place < 2 * width, scores, -INF)  # a width-w search has 2w candidates
             candidates = torch.cat([take(history, parent), token[:, :, None]], dim=2)  # [B, 2W, step]
             ends = torch.ones_like(stopped) if step == n else stopped | (limit == step)

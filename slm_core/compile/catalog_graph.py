@@ -30,16 +30,19 @@ class CatalogGraph(BeamGraph):
     def options(cls, task) -> dict:
         return {"exclude": task.spec.max_exclude, "local_scores": task.spec.catalog_scores == "catalog"}
 
-    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, options: torch.Tensor,
-                *catalog: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, options: torch.Tensor, *catalog: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         """BeamGraph's, with `options` rows [B, 2 + 2*N*E] (width, new tokens, the excluded edges of
         each level and item ends of each depth, -1 padded) and the catalog's arrays (vocab, then
         per level first, edges, slots); also returns each candidate's item [B, W] int64."""
         return self.search(input_ids, cu_seqlens, options, catalog)
 
     def start(self, b: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-        return (torch.zeros(b, 1, dtype=torch.int64, device=device),  # the root
-                torch.zeros(b, 1, dtype=torch.bool, device=device))
+        return (
+            torch.zeros(b, 1, dtype=torch.int64, device=device),  # the root
+            torch.zeros(b, 1, dtype=torch.bool, device=device),
+        )
 
     def head(self, constants: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
         if not self.local_scores:
@@ -49,8 +52,15 @@ class CatalogGraph(BeamGraph):
     def logits(self, hidden: torch.Tensor, head: torch.Tensor | None) -> torch.Tensor:
         return self.model.logits(hidden) if head is None else F.linear(self.model.norm(hidden), head)
 
-    def expand(self, logits: torch.Tensor, cum: torch.Tensor, state: tuple[torch.Tensor, ...], step: int,
-               options: torch.Tensor, constants: tuple[torch.Tensor, ...]) -> tuple:
+    def expand(
+        self,
+        logits: torch.Tensor,
+        cum: torch.Tensor,
+        state: tuple[torch.Tensor, ...],
+        step: int,
+        options: torch.Tensor,
+        constants: tuple[torch.Tensor, ...],
+    ) -> tuple:
         node, ended = state  # [B, K] each
         b, beams = cum.shape
         d, e, s = step - 1, self.exclude, self.stop_ids.shape[0]
@@ -68,7 +78,9 @@ class CatalogGraph(BeamGraph):
         at = killed - lo[:, None]
         at = torch.where((killed >= 0) & (at >= 0) & (at < f), at, f)  # column f: not a slot of this node
         excluded = torch.zeros(u.shape[0], f + 1, dtype=torch.bool, device=u.device).scatter(1, at, True)[:, :f]
-        valid = ((lo[:, None] + slots[None, :]) < hi[:, None]) & (edge[..., 2] <= limit) & ~excluded & ~ended.reshape(-1, 1)
+        valid = (
+            ((lo[:, None] + slots[None, :]) < hi[:, None]) & (edge[..., 2] <= limit) & ~excluded & ~ended.reshape(-1, 1)
+        )
 
         if d == 0:  # the root completes no item, so no stop is excluded there
             completes = torch.full_like(u, -1)

@@ -138,17 +138,22 @@ def _load_gguf(path: Path) -> Checkpoint:
     return Checkpoint(spec, weights, _gguf_tokenizer(meta))
 
 
-def classifier_head(ckpt: Checkpoint, names: tuple[str, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None, tuple[str, ...]]:
+def classifier_head(
+    ckpt: Checkpoint, names: tuple[str, ...] = ()
+) -> tuple[torch.Tensor, torch.Tensor | None, tuple[str, ...]]:
     """The sequence-classification head of a transformers `*ForSequenceClassification` checkpoint:
     its `score` weight [num_labels, hidden], bias (None: the Llama/Qwen2/Qwen3 heads have none) and
     label names: `names` when given (one per row), else config.json's id2label in id order."""
     weight = ckpt.weights.get("score.weight")
     if weight is None:
-        raise SpecError("head: classifier needs a sequence-classification checkpoint (transformers "
-                        "*ForSequenceClassification, with a `score` layer); this checkpoint has no score.weight")
+        raise SpecError(
+            "head: classifier needs a sequence-classification checkpoint (transformers "
+            "*ForSequenceClassification, with a `score` layer); this checkpoint has no score.weight"
+        )
     if weight.ndim != 2 or weight.shape[1] != ckpt.spec.hidden_size or weight.shape[0] < 2:
-        raise SpecError(f"score.weight has shape {tuple(weight.shape)}; a head is [num_labels >= 2, hidden "
-                        f"{ckpt.spec.hidden_size}]")
+        raise SpecError(
+            f"score.weight has shape {tuple(weight.shape)}; a head is [num_labels >= 2, hidden {ckpt.spec.hidden_size}]"
+        )
     n = weight.shape[0]
     if not names:
         id2label = ckpt.config.get("id2label") or {}
@@ -183,8 +188,10 @@ def _gguf_tokenizer(meta: dict) -> Tokenizer:
     """The byte-level BPE a GGUF describes, built the way transformers' GGUF loader builds it."""
     kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
     if kind != "gpt2" or pre not in ("default", "gpt2", "smollm", *_GGUF_SPLITS):
-        raise SpecError(f"GGUF tokenizer {kind!r} with pre-tokenizer {pre!r} is not supported (supported: gpt2 with "
-                        f"{', '.join(['default', 'gpt2', 'smollm', *_GGUF_SPLITS])})")
+        raise SpecError(
+            f"GGUF tokenizer {kind!r} with pre-tokenizer {pre!r} is not supported (supported: gpt2 with "
+            f"{', '.join(['default', 'gpt2', 'smollm', *_GGUF_SPLITS])})"
+        )
     spelling = byte_alphabet()
     alphabet = set(spelling.values())
     tokens = meta["tokenizer.ggml.tokens"]
@@ -195,15 +202,23 @@ def _gguf_tokenizer(meta: dict) -> Tokenizer:
     merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     if pre in _GGUF_SPLITS:  # the vocabulary's own split, then bytes
-        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_GGUF_SPLITS[pre]), behavior="isolated"),
-                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_GGUF_SPLITS[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     else:  # GPT-2's split
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     types = meta.get("tokenizer.ggml.token_type") or []
     # 3 = CONTROL (special, matched whole), 4 = USER_DEFINED (added, not special).
     tok.add_special_tokens(
-        [AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types) if ty == 3 and set(t) <= alphabet]
+        [
+            AddedToken(t, normalized=False, special=True)
+            for t, ty in zip(tokens, types)
+            if ty == 3 and set(t) <= alphabet
+        ]
     )
     tok.add_tokens([AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types) if ty == 4])
     return tok

@@ -43,8 +43,11 @@ class GateThresholds:
 
 def fitting(task: Task, texts: list[str]) -> list[str]:
     """The texts that fit the task's token bound with its template."""
-    fit = [t for t, ids in zip(texts, task.tokenizer.encode(texts))
-           if not isinstance(ids, InputError) and len(ids) <= task.sequence_tokens]
+    fit = [
+        t
+        for t, ids in zip(texts, task.tokenizer.encode(texts))
+        if not isinstance(ids, InputError) and len(ids) <= task.sequence_tokens
+    ]
     if not fit:
         raise SpecError("no check text fits the task bounds: does the template alone exceed them?")
     return fit
@@ -69,7 +72,7 @@ def check_compiled(eager: Engine, compiled: Engine) -> dict[str, Any]:
     samples = fitting(task, CHECK_TEXTS)
     batches = [[task.request_of(texts)] for texts in (samples[:1], samples, samples[1:], samples[2:]) if texts]
     if task.max_batch > 1:
-        batches.append([task.request_of(samples[i % len(samples):]) for i in range(task.max_batch)])
+        batches.append([task.request_of(samples[i % len(samples) :]) for i in range(task.max_batch)])
     check = task.check(compare(eager, compiled, batches), task.spec.precision)
     if not check.pop("passes"):
         raise SpecError(f"the compiled graph disagrees with the eager graph: {check}")
@@ -84,8 +87,10 @@ def fp8_gate(reference: Engine, quantized: Engine, thresholds: GateThresholds) -
     values = [task.request_of(samples[i : i + k]) for i in range(0, len(samples), k)][: task.gate_requests]
     gate = task.gate(compare(reference, quantized, [[v] for v in values]), thresholds.max_diff, thresholds.min_shared)
     if not gate.pop("passes"):
-        raise SpecError(f"the {quantized.task.spec.precision} build fails its accuracy gate against bf16: {gate} "
-                        "(thresholds: archiver --fp8-max-diff, --fp8-min-shared)")
+        raise SpecError(
+            f"the {quantized.task.spec.precision} build fails its accuracy gate against bf16: {gate} "
+            "(thresholds: archiver --fp8-max-diff, --fp8-min-shared)"
+        )
     return gate
 
 

@@ -37,7 +37,9 @@ def export_graph(graph: torch.nn.Module, task: Task) -> ExportedProgram:
     # Size-oblivious: reason about a dynamic dim as "any size in range" instead of guarding on 1
     # (one text gives a cu_seqlens[1:] of size 1, which would otherwise specialise).
     with torch.inference_mode(False), torch.no_grad(), fx_config.patch(backed_size_oblivious=True):
-        return torch.export.export(graph, example_inputs(task, device), dynamic_shapes=dynamic_shapes(task), strict=False)
+        return torch.export.export(
+            graph, example_inputs(task, device), dynamic_shapes=dynamic_shapes(task), strict=False
+        )
 
 
 def compile_package(program: ExportedProgram, path: str, progress=None) -> str:

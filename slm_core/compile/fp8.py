@@ -14,13 +14,13 @@ The modules are swapped in after the bf16 weights are loaded (quantize_linears):
 does not change.
 """
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from slm_kernels.layer_ref import E4M3_MAX, quantize_static_ref, silu_mul_static_ref
 from slm_core.errors import SpecError
+from slm_kernels.layer_ref import E4M3_MAX, quantize_static_ref, silu_mul_static_ref
 
 STATIC_HEADROOM = 2.0  # an input scale covers twice the largest |input| calibration saw
 # Calibration inputs: queries, reviews, product titles, instructions, a little code and numbers;
@@ -51,8 +51,10 @@ class StaticFp8Linear(nn.Module):
         super().__init__()
         n, k = linear.weight.shape
         if n % 16 or k % 16:
-            raise SpecError(f"an FP8 linear needs in and out features that are multiples of 16 (_scaled_mm), "
-                            f"got {k} -> {n}: use precision bf16 for this model")
+            raise SpecError(
+                f"an FP8 linear needs in and out features that are multiples of 16 (_scaled_mm), "
+                f"got {k} -> {n}: use precision bf16 for this model"
+            )
         w = linear.weight.detach()
         weight_scale = w.float().abs().amax().clamp_min(1e-12) / E4M3_MAX
         self.register_buffer("weight", quantize_static_ref(w, weight_scale))  # [N, K] row-major: .t() is column-major
@@ -66,8 +68,9 @@ class StaticFp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = x if x.dtype == torch.float8_e4m3fn else quantize_static_ref(x, self.input_scale)
-        y = torch._scaled_mm(q, self.weight.t(), scale_a=self.input_scale, scale_b=self.weight_scale,
-                             out_dtype=self.out_dtype)
+        y = torch._scaled_mm(
+            q, self.weight.t(), scale_a=self.input_scale, scale_b=self.weight_scale, out_dtype=self.out_dtype
+        )
         return y if self.bias is None else y + self.bias
 
 
@@ -106,8 +109,10 @@ def calibrate(model: nn.Module, run: Callable[[], None]) -> dict[nn.Module, floa
         for h in hooks:
             h.remove()
     if len(amax) != len(hooks):
-        raise SpecError("fp8-static calibration: no calibration text reached every linear (do the task bounds "
-                        "admit any of slm_core.compile.fp8.CALIBRATION_TEXTS?)")
+        raise SpecError(
+            "fp8-static calibration: no calibration text reached every linear (do the task bounds "
+            "admit any of slm_core.compile.fp8.CALIBRATION_TEXTS?)"
+        )
     return amax
 
 

@@ -18,14 +18,16 @@ from slm_core.compile.model import Transformer
 from slm_core.errors import SpecError
 from slm_core.spec import RuntimeSpec, TaskSpec
 
+
 class LastTokenGraph(nn.Module):
     """Packed texts -> one row per text from its last token's hidden state after the final norm:
     a linear head [n_labels, hidden] (+ bias), then softmax (or the logits as they are)."""
 
     lm_head: ClassVar[bool] = True  # whether the graph reads the checkpoint's LM head
 
-    def __init__(self, model: Transformer, head_weight: torch.Tensor, head_bias: torch.Tensor | None = None,
-                 logits: bool = False):
+    def __init__(
+        self, model: Transformer, head_weight: torch.Tensor, head_bias: torch.Tensor | None = None, logits: bool = False
+    ):
         super().__init__()
         self.model = model
         self.register_buffer("head_weight", head_weight.detach().clone())  # [n_labels, hidden]
@@ -141,5 +143,11 @@ class MlpGraph(EmbeddingGraph):
         return x if self.logits else torch.softmax(x, dim=-1)
 
 
-GRAPHS: dict[str, type[nn.Module]] = {"labels": LabelsGraph, "classifier": ClassifierGraph, "beam": BeamGraph,
-                                      "catalog": CatalogGraph, "embedding": EmbeddingGraph, "mlp": MlpGraph}
+GRAPHS: dict[str, type[nn.Module]] = {
+    "labels": LabelsGraph,
+    "classifier": ClassifierGraph,
+    "beam": BeamGraph,
+    "catalog": CatalogGraph,
+    "embedding": EmbeddingGraph,
+    "mlp": MlpGraph,
+}

@@ -59,10 +59,13 @@ def read_mlp(path: "str | Path", inputs: int) -> MlpHead:
     for i in range(len(layers)):
         w, b = layers[i].get("weight"), layers[i].get("bias")
         if w is None or w.ndim != 2:
-            raise SpecError(f"mlp layers.{i}.weight must be a matrix [out, in], got "
-                            f"{None if w is None else list(w.shape)}")
+            raise SpecError(
+                f"mlp layers.{i}.weight must be a matrix [out, in], got {None if w is None else list(w.shape)}"
+            )
         if w.shape[1] != width:
-            what = f"the task's dims {inputs} (the embedding it reads)" if i == 0 else f"layers.{i - 1}'s {width} outputs"
+            what = (
+                f"the task's dims {inputs} (the embedding it reads)" if i == 0 else f"layers.{i - 1}'s {width} outputs"
+            )
             raise SpecError(f"mlp layers.{i}.weight is {list(w.shape)}: it takes {w.shape[1]} inputs, but {what}")
         if b is not None and list(b.shape) != [w.shape[0]]:
             raise SpecError(f"mlp layers.{i}.bias is {list(b.shape)}, expected [{w.shape[0]}]")

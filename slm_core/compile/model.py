@@ -7,15 +7,16 @@ and each own a suffix K/V (`[B*W, S, kv_heads, d]`). The module knows nothing of
 quantisation.
 """
 
-from typing import Callable, Mapping, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from slm_kernels import packed_attention_ref, prefix_suffix_attention_ref, sequence_of_tokens
-from slm_kernels.layer_ref import qkv_rope_ref, rms_norm_ref, silu_mul_ref
 from slm_core.errors import SpecError
 from slm_core.spec import ModelSpec
+from slm_kernels import packed_attention_ref, prefix_suffix_attention_ref, sequence_of_tokens
+from slm_kernels.layer_ref import qkv_rope_ref, rms_norm_ref, silu_mul_ref
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -42,7 +43,9 @@ class Ops(NamedTuple):
 
 REFERENCE_OPS = Ops(
     lambda q, k, v, cu_seqlens, scale, max_seqlen: packed_attention_ref(q, k, v, cu_seqlens, scale),
-    prefix_suffix_attention_ref, qkv_rope_ref, silu_mul_ref,
+    prefix_suffix_attention_ref,
+    qkv_rope_ref,
+    silu_mul_ref,
 )
 
 
@@ -116,8 +119,12 @@ class Block(nn.Module):
         self.post_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec, ops.silu_mul)
 
-    def run(self, x: torch.Tensor, attend: Callable[[torch.Tensor], tuple[torch.Tensor, KV]],
-            rows: torch.Tensor | None = None):
+    def run(
+        self,
+        x: torch.Tensor,
+        attend: Callable[[torch.Tensor], tuple[torch.Tensor, KV]],
+        rows: torch.Tensor | None = None,
+    ):
         """The block over x [T, hidden]; with `rows`, its output at those rows only (attend must
         then answer for them only)."""
         a, kv = attend(self.input_norm(x))
@@ -160,7 +167,11 @@ class Transformer(nn.Module):
 
     @classmethod
     def empty(
-        cls, spec: ModelSpec, max_positions: int, dtype: torch.dtype, device: torch.device | str,
+        cls,
+        spec: ModelSpec,
+        max_positions: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
         kernels: str = "reference",
     ) -> "Transformer":
         """A model with uninitialised weights (no random init cost), ready for load_hf_weights."""
@@ -195,7 +206,11 @@ class Transformer(nn.Module):
         return x, kvs
 
     def decode(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, prefix: list[KV], prefix_cu: torch.Tensor,
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        prefix: list[KV],
+        prefix_cu: torch.Tensor,
         suffix: list[KV] | None,
     ) -> tuple[torch.Tensor, list[KV]]:
         """One token for each beam of B prompts (W beams each, prompt by prompt). input_ids and
@@ -232,15 +247,20 @@ class Transformer(nn.Module):
                 return
             value = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
             if value.shape != param.shape:
-                raise SpecError(f"checkpoint weights {names} have shape {tuple(value.shape)}, the config implies {tuple(param.shape)}")
+                raise SpecError(
+                    f"checkpoint weights {names} have shape {tuple(value.shape)}, "
+                    f"the config implies {tuple(param.shape)}"
+                )
             param.copy_(value)
 
         put(self.embed.weight, "model.embed_tokens.weight")
         put(self.norm.weight, "model.norm.weight")
         if not self.spec.tie_word_embeddings and (lm_head or "lm_head.weight" in weights):
             if "lm_head.weight" not in weights and "score.weight" in weights:
-                raise SpecError("the checkpoint is a sequence-classification model (a `score` head, no "
-                                "lm_head): serve it with the task key head: classifier")
+                raise SpecError(
+                    "the checkpoint is a sequence-classification model (a `score` head, no "
+                    "lm_head): serve it with the task key head: classifier"
+                )
             put(self.lm_head.weight, "lm_head.weight")
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."

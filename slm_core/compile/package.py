@@ -7,8 +7,9 @@ import datetime
 import json
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -28,13 +29,23 @@ def versions(device: torch.device) -> dict[str, Any]:
     if device.type == "cuda":
         import triton
 
-        out.update(triton=triton.__version__, cuda=torch.version.cuda, gpu=torch.cuda.get_device_name(device),
-                   capability=list(torch.cuda.get_device_capability(device)))
+        out.update(
+            triton=triton.__version__,
+            cuda=torch.version.cuda,
+            gpu=torch.cuda.get_device_name(device),
+            capability=list(torch.cuda.get_device_capability(device)),
+        )
     return out
 
 
-def build_package(ckpt: Checkpoint, spec: TaskSpec, runtime: RuntimeSpec, out_dir: Path,
-                  progress: Callable[[str], None] = print, gate: GateThresholds = GateThresholds()) -> dict[str, Any]:
+def build_package(
+    ckpt: Checkpoint,
+    spec: TaskSpec,
+    runtime: RuntimeSpec,
+    out_dir: Path,
+    progress: Callable[[str], None] = print,
+    gate: GateThresholds = GateThresholds(),
+) -> dict[str, Any]:
     """Compile the task for the runtime's device into out_dir; returns the manifest. Raises
     SpecError when the compiled graph disagrees with the eager one, or an fp8 build fails its
     accuracy gate against bf16."""
@@ -55,16 +66,20 @@ def build_package(ckpt: Checkpoint, spec: TaskSpec, runtime: RuntimeSpec, out_di
 
     graph = step("building the eager graph", lambda: build_graph(ckpt, task, runtime))
     program = step("torch.export", lambda: export_graph(graph, task))
-    path = step(f"AOTInductor compile for {dev.type} (on 2 CPU cores: ~1 min for a 30-layer score graph, "
-                "~4 for a beam graph)", lambda: compile_package(program, str(out_dir / package.GRAPH), progress))
+    path = step(
+        f"AOTInductor compile for {dev.type} (on 2 CPU cores: ~1 min for a 30-layer score graph, ~4 for a beam graph)",
+        lambda: compile_package(program, str(out_dir / package.GRAPH), progress),
+    )
     eager = Engine(graph, task, dev)
     compiled = Engine(load_graph(path), task, dev)
     check = step("checking the compiled graph against eager", lambda: check_compiled(eager, compiled))
     if dev.type == "cuda":  # the way it serves: replayed from CUDA graphs, padded to size buckets
         del compiled
         compiled = step("capturing the CUDA graphs", lambda: serving_engine(path, task, dev, cuda_graphs=True))
-        check["cuda_graphs"] = step("checking the compiled graph replayed from CUDA graphs against eager",
-                                    lambda: check_compiled(eager, compiled))
+        check["cuda_graphs"] = step(
+            "checking the compiled graph replayed from CUDA graphs against eager",
+            lambda: check_compiled(eager, compiled),
+        )
         check["cuda_graphs"]["captured"] = len(compiled.context.replay.graphs)
     fp8 = None
     if task.spec.precision == "fp8-static":  # what serves, against the same task in bf16
@@ -87,7 +102,7 @@ def build_package(ckpt: Checkpoint, spec: TaskSpec, runtime: RuntimeSpec, out_di
         "check": check,
         "fp8_gate": fp8,
         "call_ms": call_ms,
-        "built": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "built": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     (out_dir / package.MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest

@@ -4,8 +4,9 @@ engine (Form): its request values and how their answers make the reply."""
 
 import json
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from slm_core.errors import InputError, bounded, names
 
@@ -40,13 +41,15 @@ def request_body(request: Request) -> object:
     "data"); a form post arrives as fields instead."""
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     if encoding not in ("", "identity"):
-        raise InputError(f"Content-Encoding {bounded(encoding, 32)!r} is not supported: send the JSON body "
-                         "uncompressed", status=415)
+        raise InputError(
+            f"Content-Encoding {bounded(encoding, 32)!r} is not supported: send the JSON body uncompressed", status=415
+        )
     for key in ("body", "data"):
         if request.parameters.get(key) is not None:
             return request.parameters[key]
-    raise InputError("expected a JSON body (Content-Type: application/json), got form fields "
-                     f"{names(request.parameters) or 'none'}")
+    raise InputError(
+        f"expected a JSON body (Content-Type: application/json), got form fields {names(request.parameters) or 'none'}"
+    )
 
 
 def _constant(name: str):
@@ -65,8 +68,9 @@ def parse_body(body: object) -> Any:
         try:
             value = json.loads(text, parse_constant=_constant)
         except RecursionError:
-            raise InputError("request body nests arrays or objects too deeply to parse "
-                             "(a request nests them 2 deep)") from None
+            raise InputError(
+                "request body nests arrays or objects too deeply to parse (a request nests them 2 deep)"
+            ) from None
         except json.JSONDecodeError as e:
             raise InputError(f"request body is not valid JSON: {e.msg} at character {e.pos}") from None
         except InputError:  # NaN or Infinity (_constant)

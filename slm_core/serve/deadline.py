@@ -12,8 +12,8 @@ a call of that many requests at the token bounds) passes its deadline.
 
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 from slm_core.errors import InputError, bounded
 from slm_core.serving import call_time
@@ -46,8 +46,10 @@ class Deadlines:
         except ValueError:
             value = math.nan
         if not 0 < value <= MAX_DEADLINE_MS:
-            raise InputError(f"header X-Slm-Deadline-Ms must be a positive number of milliseconds up to "
-                             f"{MAX_DEADLINE_MS:.0f}, got {bounded(str(given), 40)!r}")
+            raise InputError(
+                f"header X-Slm-Deadline-Ms must be a positive number of milliseconds up to "
+                f"{MAX_DEADLINE_MS:.0f}, got {bounded(str(given), 40)!r}"
+            )
         return value
 
     def refusal(self, headers, received: float, requests: int) -> InputError | None:
@@ -60,8 +62,12 @@ class Deadlines:
         call = self.call(requests)
         if waited + call <= budget:
             return None
-        return InputError(f"deadline of {budget:g} ms: waited {waited:.1f} ms and a call of {requests} request(s) takes "
-                          f"up to {call:.1f} ms, so it is not computed", bound="deadline_ms", status=STATUS)
+        return InputError(
+            f"deadline of {budget:g} ms: waited {waited:.1f} ms and a call of {requests} request(s) takes "
+            f"up to {call:.1f} ms, so it is not computed",
+            bound="deadline_ms",
+            status=STATUS,
+        )
 
 
 def waited_ms(headers, received: float) -> float:

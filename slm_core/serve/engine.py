@@ -9,8 +9,9 @@ import contextlib
 import itertools
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -61,8 +62,11 @@ class Context:
         self.ids = torch.empty(task.graph_tokens, dtype=torch.int32, pin_memory=pin)  # packed token ids
         self.cu = torch.empty(task.graph_texts + 1, dtype=torch.int32, pin_memory=pin)  # cu_seqlens
         # each sequence's options (Task.options), or None where the graph takes none
-        self.options = torch.empty(task.graph_texts, task.option_columns, dtype=torch.int32,
-                                   pin_memory=pin) if task.option_columns else None
+        self.options = (
+            torch.empty(task.graph_texts, task.option_columns, dtype=torch.int32, pin_memory=pin)
+            if task.option_columns
+            else None
+        )
         self.replay = replay
         self.stream = torch.cuda.Stream(device) if pin else None
 
@@ -97,8 +101,10 @@ class Engine:
         if len(values) > self.task.max_batch:
             raise ValueError(f"{len(values)} requests exceed max_batch={self.task.max_batch}")
         encoded = self.task.encode(values)
-        rows = [None if isinstance(e, InputError) or not self.task.option_columns else self.task.options(v)
-                for v, e in zip(values, encoded)]  # before the lock: a catalog's exclusion is CPU work
+        rows = [
+            None if isinstance(e, InputError) or not self.task.option_columns else self.task.options(v)
+            for v, e in zip(values, encoded)
+        ]  # before the lock: a catalog's exclusion is CPU work
         with self._lock:
             spans = self._pack(encoded, rows)
             members = [s for s in spans if isinstance(s, Span)]
@@ -107,10 +113,15 @@ class Engine:
             n, t = sum(s.count for s in members), sum(s.tokens for s in members)
             outputs, graph_ms = self._call(n, t)
             call = next(self._calls)
-        return [Result(error=s) if isinstance(s, InputError) else
-                Result(self.task.unpack(outputs, s.first, s.count, value),
-                       CallStats(s.count, s.tokens, graph_ms, len(members), call))
-                for s, value in zip(spans, values)]
+        return [
+            Result(error=s)
+            if isinstance(s, InputError)
+            else Result(
+                self.task.unpack(outputs, s.first, s.count, value),
+                CallStats(s.count, s.tokens, graph_ms, len(members), call),
+            )
+            for s, value in zip(spans, values)
+        ]
 
     def usable(self) -> bool:
         """Whether the device still runs work: after a failed call, tells a failure of that call
@@ -159,7 +170,7 @@ class Engine:
         Task.host makes them) and the milliseconds from copy-in to results on the host."""
         ctx = self.context
         start = time.perf_counter()
-        with torch.inference_mode(), (torch.cuda.stream(ctx.stream) if ctx.stream else contextlib.nullcontext()):
+        with torch.inference_mode(), torch.cuda.stream(ctx.stream) if ctx.stream else contextlib.nullcontext():
             out = ctx.replay(ctx.ids, ctx.cu, ctx.options, n, t) if ctx.replay is not None else None
             if out is None:
                 inputs = [ctx.ids[:t], ctx.cu[: n + 1]] + ([] if ctx.options is None else [ctx.options[:n]])

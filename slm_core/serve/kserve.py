@@ -26,8 +26,16 @@ from slm_core.tasks.base import Task, Tensor
 V1_FIELDS = {"instances"}
 # model_name, model_version: what kserve's client writes into the body too; the path names the model
 V2_FIELDS = {"id", "model_name", "model_version", "parameters", "inputs", "outputs"}
-INTEGERS = {"INT8": "<i1", "INT16": "<i2", "INT32": "<i4", "INT64": "<i8",
-            "UINT8": "<u1", "UINT16": "<u2", "UINT32": "<u4", "UINT64": "<u8"}
+INTEGERS = {
+    "INT8": "<i1",
+    "INT16": "<i2",
+    "INT32": "<i4",
+    "INT64": "<i8",
+    "UINT8": "<u1",
+    "UINT16": "<u2",
+    "UINT32": "<u4",
+    "UINT64": "<u8",
+}
 MAX_RANK = 4
 
 
@@ -47,14 +55,17 @@ def binary_form(task: Task, raw: Any, header: str, model: tuple[str, str]) -> Fo
     """The Form of a v2 body in Triton's binary tensor extension: `header` bytes of JSON, then
     the inputs' data."""
     if not isinstance(raw, (bytes, bytearray)):
-        raise InputError("header Inference-Header-Content-Length needs a binary body (Content-Type: "
-                         "application/octet-stream)")
+        raise InputError(
+            "header Inference-Header-Content-Length needs a binary body (Content-Type: application/octet-stream)"
+        )
     raw = bytes(raw)
     digits = header.strip()
     size = int(digits) if digits.isascii() and digits.isdigit() else -1  # "²" is a digit int() refuses
     if not 0 < size <= len(raw):
-        raise InputError(f"header Inference-Header-Content-Length must be the JSON header's length in bytes, "
-                         f"1 to the body's {len(raw)}, got {bounded(header, 40)!r}")
+        raise InputError(
+            f"header Inference-Header-Content-Length must be the JSON header's length in bytes, "
+            f"1 to the body's {len(raw)}, got {bounded(header, 40)!r}"
+        )
     value = parse_body(raw[:size])
     if not isinstance(value, dict) or "inputs" not in value:
         raise InputError('the JSON header of a binary body must be an inference request {"inputs": [...]}')
@@ -70,8 +81,11 @@ def v1(task: Task, value: dict) -> Form:
     if not isinstance(instances, list):
         raise InputError(f"'instances' must be an array of request bodies, got {json_type(instances)}")
     if not 1 <= len(instances) <= task.max_batch:
-        raise InputError(f"'instances' holds {len(instances)}; send 1 to {task.max_batch} (max_batch: one graph call)",
-                         bound="max_batch", limit=task.max_batch)
+        raise InputError(
+            f"'instances' holds {len(instances)}; send 1 to {task.max_batch} (max_batch: one graph call)",
+            bound="max_batch",
+            limit=task.max_batch,
+        )
     values = []
     for i, instance in enumerate(instances):
         try:
@@ -84,6 +98,7 @@ def v1(task: Task, value: dict) -> Form:
 # --- v2 ---------------------------------------------------------------------------------------------
 def metadata(task: Task) -> dict:
     """The tensors of the v2 model metadata (GET /v2/models/NAME): name, datatype, shape."""
+
     def described(tensors: list[Tensor]) -> list[dict]:
         return [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in tensors]
 
@@ -95,16 +110,20 @@ def v2(task: Task, value: dict, blob: bytes, model: tuple[str, str]) -> Form:
     as the response's output tensors."""
     unknown = set(value) - V2_FIELDS
     if unknown:
-        raise InputError(f"unknown fields {names(unknown)}; an inference request has 'id', 'model_name', "
-                         "'model_version', 'parameters', 'inputs' and 'outputs'")
+        raise InputError(
+            f"unknown fields {names(unknown)}; an inference request has 'id', 'model_name', "
+            "'model_version', 'parameters', 'inputs' and 'outputs'"
+        )
     request_id = value.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise InputError(f"'id' must be a string, got {json_type(request_id)}")
     declared = {t.name: t for t in task.v2_inputs()}
     inputs = value["inputs"]
     if not isinstance(inputs, list) or not 1 <= len(inputs) <= len(declared):
-        raise InputError(f"'inputs' must be an array of 1 to {len(declared)} tensors ({names(declared)}), got "
-                         + (f"{len(inputs)}" if isinstance(inputs, list) else json_type(inputs)))
+        raise InputError(
+            f"'inputs' must be an array of 1 to {len(declared)} tensors ({names(declared)}), got "
+            + (f"{len(inputs)}" if isinstance(inputs, list) else json_type(inputs))
+        )
     payload: dict[str, Any] = {}
     offset = 0
     for i, tensor in enumerate(inputs):
@@ -114,8 +133,10 @@ def v2(task: Task, value: dict, blob: bytes, model: tuple[str, str]) -> Form:
         name = tensor.get("name")
         spec = declared.get(name) if isinstance(name, str) else None
         if spec is None:
-            raise InputError(f"{where}: 'name' must be one of {names(declared)}, got "
-                             + (names([name]) if isinstance(name, str) else json_type(name)))
+            raise InputError(
+                f"{where}: 'name' must be one of {names(declared)}, got "
+                + (names([name]) if isinstance(name, str) else json_type(name))
+            )
         if spec.source in payload:
             raise InputError(f"{where}: input {name!r} is given twice")
         data, offset = _input(tensor, spec, f"{where} ({name!r})", blob, offset)
@@ -142,8 +163,10 @@ def _input(tensor: dict, spec: Tensor, where: str, blob: bytes, offset: int) -> 
     integer = spec.datatype in INTEGERS
     if not (datatype == spec.datatype or (integer and datatype in INTEGERS)):
         want = "an integer datatype (INT8 to INT64, UINT8 to UINT64)" if integer else spec.datatype
-        raise InputError(f"{where}: 'datatype' must be {want}, got "
-                         + (repr(bounded(datatype, 16)) if isinstance(datatype, str) else json_type(datatype)))
+        raise InputError(
+            f"{where}: 'datatype' must be {want}, got "
+            + (repr(bounded(datatype, 16)) if isinstance(datatype, str) else json_type(datatype))
+        )
     if not (isinstance(shape, list) and len(shape) <= MAX_RANK and all(type(d) is int and d >= 0 for d in shape)):
         raise InputError(f"{where}: 'shape' must be an array of at most {MAX_RANK} sizes (non-negative integers)")
     if len(shape) != len(spec.shape) or any(d != s for d, s in zip(shape, spec.shape) if s >= 0):
@@ -157,8 +180,10 @@ def _input(tensor: dict, spec: Tensor, where: str, blob: bytes, offset: int) -> 
         if "data" in tensor:
             raise InputError(f"{where} has both 'data' and parameters.binary_data_size")
         if type(size) is not int or not 0 <= size <= len(blob) - offset:
-            raise InputError(f"{where}: parameters.binary_data_size must be an integer from 0 to the "
-                             f"{len(blob) - offset} binary bytes left")
+            raise InputError(
+                f"{where}: parameters.binary_data_size must be an integer from 0 to the "
+                f"{len(blob) - offset} binary bytes left"
+            )
         return _binary(blob[offset : offset + size], datatype, count, where), offset + size
     if "data" not in tensor:
         raise InputError(f"{where} has no 'data'")
@@ -168,7 +193,9 @@ def _input(tensor: dict, spec: Tensor, where: str, blob: bytes, offset: int) -> 
     kind = str if spec.datatype == "BYTES" else int
     for j, x in enumerate(data):
         if type(x) is not kind:
-            raise InputError(f"{where}: data[{j}] must be {'a string' if kind is str else 'an integer'}, got {json_type(x)}")
+            raise InputError(
+                f"{where}: data[{j}] must be {'a string' if kind is str else 'an integer'}, got {json_type(x)}"
+            )
     return data, offset
 
 
@@ -219,7 +246,9 @@ def _requested(requested: Any, task: Task) -> set[str] | None:
     if requested is None:
         return None
     known = {t.name for t in task.v2_outputs()}
-    if not isinstance(requested, list) or not all(isinstance(o, dict) and isinstance(o.get("name"), str) for o in requested):
+    if not isinstance(requested, list) or not all(
+        isinstance(o, dict) and isinstance(o.get("name"), str) for o in requested
+    ):
         raise InputError("'outputs' must be an array of objects {\"name\": ...}")
     wanted = {o["name"] for o in requested}
     if not wanted <= known:

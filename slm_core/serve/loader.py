@@ -30,8 +30,9 @@ SCRATCH = "slm-aoti"  # under TMPDIR, one root per user: one directory per proce
 _mine: tuple[Path, object] | None = None  # this process's directory and the lock it holds on it
 
 
-def load_package(model_dir: "str | Path", gpu_id: int | None = None, cuda_graphs: bool = True,
-                 engine: type[Engine] | None = None) -> Engine:
+def load_package(
+    model_dir: "str | Path", gpu_id: int | None = None, cuda_graphs: bool = True, engine: type[Engine] | None = None
+) -> Engine:
     """The Engine (or `engine` class) of a built package: its task as the manifest records it,
     its compiled graph on `cuda:{gpu_id}` for CUDA builds, there replaying every size bucket from
     a CUDA graph captured now (unless cuda_graphs is False)."""
@@ -46,13 +47,16 @@ def load_package(model_dir: "str | Path", gpu_id: int | None = None, cuda_graphs
     device = worker_device(gpu_id)
     built = manifest["versions"]
     if list(torch.cuda.get_device_capability(device)) != built["capability"]:
-        raise SpecError(f"package was built for GPU capability {built['capability']} ({built['gpu']}), "
-                        f"this GPU is {torch.cuda.get_device_name(device)}: rebuild it on this GPU type")
+        raise SpecError(
+            f"package was built for GPU capability {built['capability']} ({built['gpu']}), "
+            f"this GPU is {torch.cuda.get_device_name(device)}: rebuild it on this GPU type"
+        )
     return serving_engine(path, task, device, cuda_graphs, engine)
 
 
-def serving_engine(path: str, task: Task, device: torch.device, cuda_graphs: bool,
-                   engine: type[Engine] | None = None) -> Engine:
+def serving_engine(
+    path: str, task: Task, device: torch.device, cuda_graphs: bool, engine: type[Engine] | None = None
+) -> Engine:
     """A CUDA package's engine on `device`: with cuda_graphs, every bucket of the task's bounds
     captured now, in the engine's request context."""
     engine = engine or Engine
@@ -74,8 +78,10 @@ def load_task(model_dir: Path, manifest: dict) -> Task:
     task = task_for(TaskSpec.from_dict(manifest["task"]).located(model_dir), tokenizer, manifest["device"])
     expected = task.pipeline(manifest["device"], package.node(manifest, "graph")["file"])
     if [(n["node"], n.get("op")) for n in manifest["pipeline"]] != [(n["node"], n.get("op")) for n in expected]:
-        raise SpecError(f"the manifest's request path {[n.get('op') for n in manifest['pipeline']]} is not "
-                        f"this version's for its task: rebuild the package")
+        raise SpecError(
+            f"the manifest's request path {[n.get('op') for n in manifest['pipeline']]} is not "
+            f"this version's for its task: rebuild the package"
+        )
     return task
 
 
@@ -149,8 +155,10 @@ def worker_device(gpu_id: int | None) -> torch.device:
     never touches another GPU."""
     index = 0 if gpu_id is None else int(gpu_id)
     if not 0 <= index < torch.cuda.device_count():
-        raise SpecError(f"worker was given GPU {gpu_id}, this host has {torch.cuda.device_count()} "
-                        "(TorchServe's number_of_gpu or the archive's deviceIds name a GPU that is not there)")
+        raise SpecError(
+            f"worker was given GPU {gpu_id}, this host has {torch.cuda.device_count()} "
+            "(TorchServe's number_of_gpu or the archive's deviceIds name a GPU that is not there)"
+        )
     device = torch.device("cuda", index)
     torch.cuda.set_device(device)
     return device

@@ -78,13 +78,15 @@ def form(task: Task, request: Request, model: tuple[str, str] = ("", "")) -> For
     return kserve.form(task, value, model) or Form([task.request(value)], lambda answers: task.body(answers[0]))
 
 
-def respond(engine: Engine, request: Request, deadlines: Deadlines | None = None,
-            model: tuple[str, str] = ("", "")) -> Reply:
+def respond(
+    engine: Engine, request: Request, deadlines: Deadlines | None = None, model: tuple[str, str] = ("", "")
+) -> Reply:
     return respond_batch(engine, [request], deadlines, model)[0]
 
 
-def respond_batch(engine: Engine, requests: list[Request], deadlines: Deadlines | None = None,
-                  model: tuple[str, str] = ("", "")) -> list[Reply]:
+def respond_batch(
+    engine: Engine, requests: list[Request], deadlines: Deadlines | None = None, model: tuple[str, str] = ("", "")
+) -> list[Reply]:
     """The replies to a batch, in order. Up to max_batch request values share one graph call, a
     request's values (a v1 body's instances) the same one; a bad request gets its own 4xx and is
     left out of the call, as is one that its call would answer past its deadline (504,

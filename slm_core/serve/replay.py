@@ -82,8 +82,9 @@ def _round_tokens(t: int) -> int:
     return -(-t // step) * step
 
 
-def pad_inputs(ids: torch.Tensor, cu: torch.Tensor, sequences: int, tokens: int,
-               bucketed: tuple[int, int, list[int]]) -> tuple[int, int]:
+def pad_inputs(
+    ids: torch.Tensor, cu: torch.Tensor, sequences: int, tokens: int, bucketed: tuple[int, int, list[int]]
+) -> tuple[int, int]:
     """Pad the packed call in the host buffers ids/cu (sized to the task's graph bounds) to its
     bucket: padding sequences of the bucket's lengths behind it, then the tail; returns the padded
     (sequences, tokens). A task's options rows need no padding: the tasks that pad with
@@ -101,15 +102,20 @@ class CudaGraphs:
 
     def __init__(self, graph, task: Task, device: torch.device, constants: tuple[torch.Tensor, ...] = ()):
         if task.pad_sequences and task.option_columns:
-            raise ValueError(f"{type(task).__name__} pads calls with sequences and takes options: a padding "
-                             "sequence would need an options row")
+            raise ValueError(
+                f"{type(task).__name__} pads calls with sequences and takes options: a padding "
+                "sequence would need an options row"
+            )
         self.graph = graph
         self.task = task
         self.device = device
         self.ids = torch.zeros(task.graph_tokens, dtype=torch.int32, device=device)  # static inputs
         self.cu = torch.zeros(task.graph_texts + 1, dtype=torch.int32, device=device)
-        self.options = torch.zeros(task.graph_texts, task.option_columns, dtype=torch.int32,
-                                   device=device) if task.option_columns else None
+        self.options = (
+            torch.zeros(task.graph_texts, task.option_columns, dtype=torch.int32, device=device)
+            if task.option_columns
+            else None
+        )
         self.constants = constants  # the engine's device tensors: the same for every call
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, object]] = {}
         self.pool = None
@@ -143,7 +149,9 @@ class CudaGraphs:
                     self.cu[1 : n + 1] = torch.tensor(list(itertools.accumulate(even_split(t, n))), dtype=torch.int32)
                     self.ids[:t] = 1
                     if self.options is not None:  # the task's bounds
-                        self.options[:] = torch.tensor(self.task.options(self.task.request_of(["x"])), dtype=torch.int32)
+                        self.options[:] = torch.tensor(
+                            self.task.options(self.task.request_of(["x"])), dtype=torch.int32
+                        )
                     padded_n, padded_t = pad_inputs(self.ids, self.cu, n, t, b)
                     self.graphs[b[:2]] = self._capture(padded_n, padded_t, stream)
             except RuntimeError as e:

@@ -18,8 +18,19 @@ from slm_core.tasks.mlp import MlpTask
 
 KINDS: tuple[type[Task], ...] = (LabelsTask, ClassifierTask, EmbeddingTask, MlpTask, BeamTask, CatalogTask)
 
-__all__ = ["KINDS", "BeamTask", "CatalogTask", "ClassifierTask", "Difference", "EmbeddingTask", "LabelsTask", "MlpTask", "Task",
-           "task_class", "task_for"]
+__all__ = [
+    "KINDS",
+    "BeamTask",
+    "CatalogTask",
+    "ClassifierTask",
+    "Difference",
+    "EmbeddingTask",
+    "LabelsTask",
+    "MlpTask",
+    "Task",
+    "task_class",
+    "task_for",
+]
 
 
 def task_class(spec: TaskSpec) -> type[Task]:

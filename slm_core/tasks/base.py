@@ -80,8 +80,9 @@ class Task(ABC):
         if spec.max_batch is None:
             raise SpecError("the task's max_batch is not resolved (slm_core.tasks.task_for)")
         self.spec = spec
-        self.tokenizer = PackedTokenizer(tokenizer, spec.prompt_template or self.placeholder, self.placeholder,
-                                         spec.allow_special_tokens)
+        self.tokenizer = PackedTokenizer(
+            tokenizer, spec.prompt_template or self.placeholder, self.placeholder, spec.allow_special_tokens
+        )
 
     # --- bounds ---------------------------------------------------------------------------------
     @property
@@ -127,14 +128,20 @@ class Task(ABC):
     def request(self, payload: Any) -> Any:
         """A decoded request body -> the value the task encodes; InputError names what is wrong."""
         if not isinstance(payload, dict):
-            raise InputError(f'request body must be a JSON object like {{"{self.field}": ...}}, got {json_type(payload)}')
+            raise InputError(
+                f'request body must be a JSON object like {{"{self.field}": ...}}, got {json_type(payload)}'
+            )
         unknown = set(payload) - {self.field, *self.options_fields}
         if self.field not in payload:
-            raise InputError(f"request body is missing the field {self.field!r}"
-                             + (f" (got {names(unknown)})" if unknown else ""))
+            raise InputError(
+                f"request body is missing the field {self.field!r}" + (f" (got {names(unknown)})" if unknown else "")
+            )
         if unknown:
-            has = (f"{self.field!r} and optionally {', '.join(map(repr, self.options_fields))}" if self.options_fields
-                   else f"only {self.field!r}")
+            has = (
+                f"{self.field!r} and optionally {', '.join(map(repr, self.options_fields))}"
+                if self.options_fields
+                else f"only {self.field!r}"
+            )
             raise InputError(f"unknown fields {names(unknown)}; a {self.kind} request has {has}")
         return self.settings(payload)
 
@@ -202,9 +209,14 @@ class Task(ABC):
         return []
 
     def signature(self) -> dict[str, list[str]]:
-        return {"inputs": [f"input_ids int32 [tokens <= {self.graph_tokens}]",
-                           f"cu_seqlens int32 [sequences + 1 <= {self.graph_texts + 1}]", *self.extra_inputs()],
-                "outputs": self.outputs()}
+        return {
+            "inputs": [
+                f"input_ids int32 [tokens <= {self.graph_tokens}]",
+                f"cu_seqlens int32 [sequences + 1 <= {self.graph_texts + 1}]",
+                *self.extra_inputs(),
+            ],
+            "outputs": self.outputs(),
+        }
 
     def constants(self) -> dict:
         """What the graph holds of the task (token ids), for the manifest to say."""
@@ -216,13 +228,26 @@ class Task(ABC):
         name = type(self).__name__
         signature = self.signature()
         return [
-            {"node": "encode", "device": "cpu", "op": f"{name}.encode", "input": f"request field {self.field!r}",
-             "output": signature["inputs"], "bounds": {"requests": self.max_batch,
-                                                       "sequences_per_request": self.request_sequences,
-                                                       "tokens_per_sequence": self.sequence_tokens}},
+            {
+                "node": "encode",
+                "device": "cpu",
+                "op": f"{name}.encode",
+                "input": f"request field {self.field!r}",
+                "output": signature["inputs"],
+                "bounds": {
+                    "requests": self.max_batch,
+                    "sequences_per_request": self.request_sequences,
+                    "tokens_per_sequence": self.sequence_tokens,
+                },
+            },
             {"node": "graph", "device": device, "file": graph_file, **signature, "constants": self.constants()},
-            {"node": "decode", "device": "cpu", "op": f"{name}.unpack", "input": signature["outputs"],
-             "output": f"answer {list(self.answer)}"},
+            {
+                "node": "decode",
+                "device": "cpu",
+                "op": f"{name}.unpack",
+                "input": signature["outputs"],
+                "output": f"answer {list(self.answer)}",
+            },
         ]
 
     # --- judging and counting (build and bench) -------------------------------------------------
@@ -238,8 +263,11 @@ class Task(ABC):
     def check(self, differences: list[Difference], precision: str) -> dict[str, Any]:
         """The compiled-against-eager verdict over the check requests, with "passes"."""
         worst = max((v for d in differences for v in d.values), default=0.0)
-        result: dict[str, Any] = {"inputs": len(differences), "max_abs_diff": worst,
-                                  "tolerance": self.tolerance[precision]}
+        result: dict[str, Any] = {
+            "inputs": len(differences),
+            "max_abs_diff": worst,
+            "tolerance": self.tolerance[precision],
+        }
         passes = worst <= self.tolerance[precision]
         if self.min_shared:
             shared = sum(d.shared for d in differences) / len(differences)

@@ -61,8 +61,13 @@ class BeamTask(Task):
 
     def __init__(self, spec, tokenizer):
         super().__init__(spec, tokenizer)
-        if (spec.head, spec.output, spec.dims, spec.normalize, spec.mlp) != ("labels", "probs", None, False, None) \
-                or spec.labels:
+        if (spec.head, spec.output, spec.dims, spec.normalize, spec.mlp) != (
+            "labels",
+            "probs",
+            None,
+            False,
+            None,
+        ) or spec.labels:
             raise SpecError("task keys 'labels', 'head', 'output', 'dims', 'normalize' and 'mlp' are for score tasks")
         self.stop_ids = list(dict.fromkeys(self.tokenizer.single_tokens(spec.stop, "stop string")))  # once each
 
@@ -89,9 +94,13 @@ class BeamTask(Task):
     # --- a request's settings --------------------------------------------------------------------
     def settings(self, payload: dict) -> BeamRequest:
         """The request's prompt and settings, each checked against its bound."""
-        return BeamRequest(payload[self.field], *(self._bounded(payload, name, bound) for name, bound in
-                                                  (("beam_width", self.width), ("new_tokens", self.new_tokens),
-                                                   ("top", self.width))))
+        return BeamRequest(
+            payload[self.field],
+            *(
+                self._bounded(payload, name, bound)
+                for name, bound in (("beam_width", self.width), ("new_tokens", self.new_tokens), ("top", self.width))
+            ),
+        )
 
     @staticmethod
     def _bounded(payload: dict, name: str, bound: int) -> int | None:
@@ -99,8 +108,12 @@ class BeamTask(Task):
         if value is None:
             return None
         if type(value) is not int or not 1 <= value <= bound:
-            raise InputError(f"{name!r} must be an integer from 1 to {bound} (the archive's bound), got "
-                             + (str(value) if type(value) is int else json_type(value)), bound=name, limit=bound)
+            raise InputError(
+                f"{name!r} must be an integer from 1 to {bound} (the archive's bound), got "
+                + (str(value) if type(value) is int else json_type(value)),
+                bound=name,
+                limit=bound,
+            )
         return value
 
     def value(self, value: Any) -> BeamRequest:
@@ -128,9 +141,17 @@ class BeamTask(Task):
                 out.append(e)
         valid = [i for i, o in enumerate(out) if o is None]
         for i, ids in zip(valid, self.tokenizer.encode([self.value(values[i]).prompt for i in valid])):
-            out[i] = InputError(f"prompt {ids}") if isinstance(ids, InputError) else [ids] if len(ids) <= bound else InputError(
-                f"prompt is {len(ids)} tokens with the template, over max_prompt_tokens={bound}",
-                bound="max_prompt_tokens", limit=bound)
+            out[i] = (
+                InputError(f"prompt {ids}")
+                if isinstance(ids, InputError)
+                else [ids]
+                if len(ids) <= bound
+                else InputError(
+                    f"prompt is {len(ids)} tokens with the template, over max_prompt_tokens={bound}",
+                    bound="max_prompt_tokens",
+                    limit=bound,
+                )
+            )
         return out
 
     def unpack(self, outputs: list[list], first: int, count: int, value: Any = None) -> list[dict[str, Any]]:
@@ -139,8 +160,10 @@ class BeamTask(Task):
         rows, ends, scores = (out[first] for out in outputs[:3])  # [W][new_tokens], [W], [W]
         keep = self._kept(scores, value)
         ids = [rows[j][: ends[j]] for j in keep]
-        return [{"text": text, "token_ids": i, "score": scores[j]}
-                for text, i, j in zip(self.tokenizer.decode_each(ids), ids, keep)]
+        return [
+            {"text": text, "token_ids": i, "score": scores[j]}
+            for text, i, j in zip(self.tokenizer.decode_each(ids), ids, keep)
+        ]
 
     def _kept(self, scores: list[float], value: BeamRequest) -> list[int]:
         count = min(value.beam_width or self.width, value.top or self.width)
@@ -150,15 +173,19 @@ class BeamTask(Task):
         return {"candidates": answer}
 
     def v2_inputs(self) -> list[Tensor]:
-        return [Tensor("prompt", "BYTES", (1,)),
-                *(Tensor(name, "INT32", (1,), optional=True) for name in ("beam_width", "new_tokens", "top"))]
+        return [
+            Tensor("prompt", "BYTES", (1,)),
+            *(Tensor(name, "INT32", (1,), optional=True) for name in ("beam_width", "new_tokens", "top")),
+        ]
 
     def v2_outputs(self) -> list[Tensor]:
         """The candidates' fields, one tensor each, best first; token ids padded with -1 to the
         task's new tokens."""
-        return [Tensor("text", "BYTES", (-1,), "candidates", "text"),
-                Tensor("token_ids", "INT64", (-1, self.new_tokens), "candidates", "token_ids"),
-                Tensor("score", "FP32", (-1,), "candidates", "score")]
+        return [
+            Tensor("text", "BYTES", (-1,), "candidates", "text"),
+            Tensor("token_ids", "INT64", (-1, self.new_tokens), "candidates", "token_ids"),
+            Tensor("score", "FP32", (-1,), "candidates", "score"),
+        ]
 
     def outputs(self) -> list[str]:
         w, n = self.width, self.new_tokens
@@ -181,8 +208,14 @@ class BeamTask(Task):
     def gate(self, differences: list[Difference], max_diff: float, min_shared: float) -> dict[str, Any]:
         shares = [d.shared for d in differences]
         mean = sum(shares) / len(shares)
-        return {"against": "bf16", "prompts": len(shares), "shared_candidates": mean, "worst_prompt": min(shares),
-                "min_allowed": min_shared, "passes": mean >= min_shared}
+        return {
+            "against": "bf16",
+            "prompts": len(shares),
+            "shared_candidates": mean,
+            "worst_prompt": min(shares),
+            "min_allowed": min_shared,
+            "passes": mean >= min_shared,
+        }
 
     def head_rows(self, value: Any) -> int:
         """The LM head's rows a request computes: the prompt's last row, then w per decode step."""
@@ -194,7 +227,12 @@ class BeamTask(Task):
         value = self.value(value)
         w, n = value.beam_width or self.width, value.new_tokens or self.new_tokens
         head_rows = self.head_rows(value)
-        total = (flops.prefill_flops(model, [prompt]) + flops.decode_flops(model, prompt, w, n)
-                 + flops.head_flops(model, head_rows, model.vocab_size))
-        fp8 = flops.static_fp8_flops(model, prompt + w * (n - 1), skipped=prompt - 1) if precision == "fp8-static" else 0
+        total = (
+            flops.prefill_flops(model, [prompt])
+            + flops.decode_flops(model, prompt, w, n)
+            + flops.head_flops(model, head_rows, model.vocab_size)
+        )
+        fp8 = (
+            flops.static_fp8_flops(model, prompt + w * (n - 1), skipped=prompt - 1) if precision == "fp8-static" else 0
+        )
         return total, fp8

@@ -16,12 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tokenizers import Tokenizer
 
 from slm_core import flops
 from slm_core.catalog import CATALOG, Catalog
 from slm_core.errors import InputError, SpecError, json_type
-from tokenizers import Tokenizer
-
 from slm_core.spec import ModelSpec, TaskSpec
 from slm_core.tasks.base import Difference, Tensor
 from slm_core.tasks.beam import BeamRequest, BeamTask
@@ -45,13 +44,24 @@ class CatalogTask(BeamTask):
         if path.suffix == ".safetensors":  # a package's, built already
             self.catalog = Catalog.load(path)
         else:
-            self.catalog = Catalog.from_jsonl(path, self.tokenizer.tokenizer, self.stop_ids, spec.new_tokens,
-                                              self.tokenizer.tokenizer.get_vocab_size(with_added_tokens=True),
-                                              spec.max_items, spec.max_trie_nodes)
-        if self.catalog.max_tokens != spec.new_tokens or self.catalog.vocab[: self.catalog.stop_count].tolist() != self.stop_ids:
+            self.catalog = Catalog.from_jsonl(
+                path,
+                self.tokenizer.tokenizer,
+                self.stop_ids,
+                spec.new_tokens,
+                self.tokenizer.tokenizer.get_vocab_size(with_added_tokens=True),
+                spec.max_items,
+                spec.max_trie_nodes,
+            )
+        if (
+            self.catalog.max_tokens != spec.new_tokens
+            or self.catalog.vocab[: self.catalog.stop_count].tolist() != self.stop_ids
+        ):
             raise SpecError(f"catalog {path} was built for another new_tokens or stop tokens: rebuild it")
-        for what, have, bound in (("items", self.catalog.size, spec.max_items),
-                                  ("trie nodes", self.catalog.nodes, spec.max_trie_nodes)):
+        for what, have, bound in (
+            ("items", self.catalog.size, spec.max_items),
+            ("trie nodes", self.catalog.nodes, spec.max_trie_nodes),
+        ):
             if have > bound:
                 raise SpecError(f"catalog {path} has {have} {what}, over the task's bound {bound}")
 
@@ -64,13 +74,18 @@ class CatalogTask(BeamTask):
         base = super().settings(payload)
         exclude = payload.get("exclude", [])
         bound = self.spec.max_exclude
-        if not isinstance(exclude, list) or not all(isinstance(i, (str, int)) and not isinstance(i, bool)
-                                                     for i in exclude):
-            raise InputError(f"'exclude' must be an array of item ids, got {json_type(exclude)}"
-                             if not isinstance(exclude, list) else "'exclude' must hold item ids (strings or integers)")
+        if not isinstance(exclude, list) or not all(
+            isinstance(i, (str, int)) and not isinstance(i, bool) for i in exclude
+        ):
+            raise InputError(
+                f"'exclude' must be an array of item ids, got {json_type(exclude)}"
+                if not isinstance(exclude, list)
+                else "'exclude' must hold item ids (strings or integers)"
+            )
         if len(exclude) > bound:
-            raise InputError(f"'exclude' holds {len(exclude)} ids, over max_exclude={bound}", bound="max_exclude",
-                             limit=bound)
+            raise InputError(
+                f"'exclude' holds {len(exclude)} ids, over max_exclude={bound}", bound="max_exclude", limit=bound
+            )
         ids = tuple(map(str, exclude))
         excluded, unknown = self.catalog.lookup(list(ids))  # here, before the call: outside the engine's lock
         return CatalogRequest(base.prompt, base.beam_width, base.new_tokens, base.top, ids, tuple(excluded), unknown)
@@ -106,17 +121,21 @@ class CatalogTask(BeamTask):
 
     def extra_inputs(self) -> list[str]:
         e, n = self.spec.max_exclude, self.new_tokens
-        return [f"options int32 [prompts, {self.option_columns}]: beam width, new tokens, excluded edges [{n}, {e}] "
-                f"and item ends [{n}, {e}]",
-                "vocab int32 [catalog tokens]: the stop tokens first",
-                *(f"level{d} first int32 [nodes + 1], edges int32 [edges, 3], slots int32 [fan-out]" for d in range(n))]
+        return [
+            f"options int32 [prompts, {self.option_columns}]: beam width, new tokens, excluded edges [{n}, {e}] "
+            f"and item ends [{n}, {e}]",
+            "vocab int32 [catalog tokens]: the stop tokens first",
+            *(f"level{d} first int32 [nodes + 1], edges int32 [edges, 3], slots int32 [fan-out]" for d in range(n)),
+        ]
 
     # --- answers ---------------------------------------------------------------------------------
     def unpack(self, outputs: list[list], first: int, count: int, value: Any = None) -> dict[str, Any]:
         value = self.value(value)
         items = outputs[3][first]  # best first, as the candidates kept
-        candidates = [{"id": self.catalog.item_id(item), **c}
-                      for c, item in zip(super().unpack(outputs, first, count, value), items)]
+        candidates = [
+            {"id": self.catalog.item_id(item), **c}
+            for c, item in zip(super().unpack(outputs, first, count, value), items)
+        ]
         answer: dict[str, Any] = {"candidates": candidates}
         if value.exclude:
             answer["unknown_exclude"] = value.unknown
@@ -131,15 +150,21 @@ class CatalogTask(BeamTask):
     def v2_outputs(self) -> list[Tensor]:
         """A beam's candidates with each one's item id, and how many excluded ids the catalog
         lacks (where the request excluded any)."""
-        return [Tensor("id", "BYTES", (-1,), "candidates", "id"), *super().v2_outputs(),
-                Tensor("unknown_exclude", "INT64", (1,), optional=True)]
+        return [
+            Tensor("id", "BYTES", (-1,), "candidates", "id"),
+            *super().v2_outputs(),
+            Tensor("unknown_exclude", "INT64", (1,), optional=True),
+        ]
 
     def outputs(self) -> list[str]:
         return super().outputs() + [f"items int64 [prompts, {self.width}]: the item each candidate completes"]
 
     def constants(self) -> dict:
-        return {"stop_ids": self.stop_ids, "catalog": {"file": CATALOG, **self.catalog.summary()},
-                "scores": self.spec.catalog_scores}
+        return {
+            "stop_ids": self.stop_ids,
+            "catalog": {"file": CATALOG, **self.catalog.summary()},
+            "scores": self.spec.catalog_scores,
+        }
 
     def difference(self, want: dict, got: dict) -> Difference:
         return super().difference(want["candidates"], got["candidates"])
@@ -148,5 +173,7 @@ class CatalogTask(BeamTask):
         total, fp8 = super().flops(model, value, precision)
         if self.spec.catalog_scores == "catalog":  # the LM head over the catalog's tokens only
             rows = self.head_rows(value)
-            total -= flops.head_flops(model, rows, model.vocab_size) - flops.head_flops(model, rows, len(self.catalog.vocab))
+            total -= flops.head_flops(model, rows, model.vocab_size) - flops.head_flops(
+                model, rows, len(self.catalog.vocab)
+            )
         return total, fp8

@@ -48,7 +48,9 @@ class EmbeddingTask(TextsTask):
         return [Tensor("embeddings", "FP32", (-1, self.dims or -1))]
 
     def outputs(self) -> list[str]:
-        return [f"embeddings float32 [texts, {self.dims or 'hidden'}]" + (" L2-normalised" if self.spec.normalize else "")]
+        return [
+            f"embeddings float32 [texts, {self.dims or 'hidden'}]" + (" L2-normalised" if self.spec.normalize else "")
+        ]
 
     def constants(self) -> dict:
         return {"dims": self.dims, "normalize": self.spec.normalize}
@@ -59,8 +61,14 @@ class EmbeddingTask(TextsTask):
     def gate(self, differences: list[Difference], max_diff: float, min_shared: float) -> dict[str, Any]:
         values = [v for d in differences for v in d.values]
         worst = max(values)
-        return {"against": "bf16", "texts": len(values), "max_cosine_distance": worst,
-                "mean_cosine_distance": sum(values) / len(values), "max_allowed": max_diff, "passes": worst <= max_diff}
+        return {
+            "against": "bf16",
+            "texts": len(values),
+            "max_cosine_distance": worst,
+            "mean_cosine_distance": sum(values) / len(values),
+            "max_allowed": max_diff,
+            "passes": worst <= max_diff,
+        }
 
 
 def cosine_distance(a, b) -> float:

@@ -27,8 +27,10 @@ class MlpTask(TextsTask):
             raise SpecError("head: mlp needs the task key 'mlp': the safetensors file of the MLP")
         self.check_output(spec)
         if len(spec.labels) < (2 if spec.output == "probs" else 1):
-            raise SpecError(f"an MLP head answering {spec.output} needs at least "
-                            f"{2 if spec.output == 'probs' else 1} output(s), got {len(spec.labels)}")
+            raise SpecError(
+                f"an MLP head answering {spec.output} needs at least "
+                f"{2 if spec.output == 'probs' else 1} output(s), got {len(spec.labels)}"
+            )
 
     def write_data(self, package: Path) -> TaskSpec:
         shutil.copyfile(self.spec.mlp, package / MLP_FILE)  # the package then says what its graph holds

@@ -71,8 +71,11 @@ class TextsTask(Task):
             if isinstance(seq, InputError):
                 return InputError(f"texts[{j}] {seq}")
             if len(seq) > bound:
-                return InputError(f"texts[{j}] is {len(seq)} tokens with the template, over max_text_tokens={bound}",
-                                  bound="max_text_tokens", limit=bound)
+                return InputError(
+                    f"texts[{j}] is {len(seq)} tokens with the template, over max_text_tokens={bound}",
+                    bound="max_text_tokens",
+                    limit=bound,
+                )
         return ids
 
     def _refusal(self, texts: Any) -> InputError | None:
@@ -117,8 +120,14 @@ class TextsTask(Task):
     def gate(self, differences: list[Difference], max_diff: float, min_shared: float) -> dict[str, Any]:
         values = [v for d in differences for v in d.values]
         worst = max(values)
-        return {"against": "bf16", "texts": len(values) // len(self.labels), "max_abs_diff": worst,
-                "mean_abs_diff": sum(values) / len(values), "max_allowed": max_diff, "passes": worst <= max_diff}
+        return {
+            "against": "bf16",
+            "texts": len(values) // len(self.labels),
+            "max_abs_diff": worst,
+            "mean_abs_diff": sum(values) / len(values),
+            "max_allowed": max_diff,
+            "passes": worst <= max_diff,
+        }
 
     def flops(self, model: ModelSpec, value: Any, precision: str) -> tuple[int, int]:
         lengths = self.token_lengths(value)

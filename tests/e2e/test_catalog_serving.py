@@ -12,18 +12,33 @@ import zipfile
 
 import pytest
 import yaml
+from helpers import write_catalog
 
 from handlers.local_server import TorchServe, http
-from helpers import write_catalog
 from slm_core import Engine
 from slm_core.serve.protocol import Request, respond
 
 NAME = "tiny_catalog"
 V2_MAR = f"{NAME}-2.0.mar"
-TASK = {"task": "beam", "beam_width": 6, "new_tokens": 3, "max_prompt_tokens": 64, "stop": ["<|im_end|>"],
-        "max_batch": 2, "max_exclude": 8, "precision": "fp32", "catalog": "items1.jsonl"}
-PROMPTS = ["a small language model", "search engines rank", "the quick brown fox", "beam search keeps",
-           "numbers like 12, 345 and 6789", "is this query about shopping"]
+TASK = {
+    "task": "beam",
+    "beam_width": 6,
+    "new_tokens": 3,
+    "max_prompt_tokens": 64,
+    "stop": ["<|im_end|>"],
+    "max_batch": 2,
+    "max_exclude": 8,
+    "precision": "fp32",
+    "catalog": "items1.jsonl",
+}
+PROMPTS = [
+    "a small language model",
+    "search engines rank",
+    "the quick brown fox",
+    "beam search keeps",
+    "numbers like 12, 345 and 6789",
+    "is this query about shopping",
+]
 
 
 def _catalogs() -> tuple[dict[str, list[int]], dict[str, list[int]]]:
@@ -71,8 +86,24 @@ def built(random_checkpoint, tmp_path_factory):
     write_catalog(root / "items2.jsonl", list(CATALOG2.values()), list(CATALOG2))
     (root / "task.yaml").write_text(yaml.safe_dump(TASK))
     start = time.monotonic()
-    assert main(["build", "--checkpoint", str(folder), "--task", str(root / "task.yaml"), "--model-name", NAME,
-                 "--export-path", str(store), "--version", "1.0"]) == 0
+    assert (
+        main(
+            [
+                "build",
+                "--checkpoint",
+                str(folder),
+                "--task",
+                str(root / "task.yaml"),
+                "--model-name",
+                NAME,
+                "--export-path",
+                str(store),
+                "--version",
+                "1.0",
+            ]
+        )
+        == 0
+    )
     print(f"\nbuild of {NAME}.mar: {time.monotonic() - start:.0f} s")
     zipfile.ZipFile(store / f"{NAME}.mar").extractall(root / "v1")
     return {"root": root, "store": store, "v1": root / "v1"}
@@ -84,8 +115,22 @@ def swapped(built):
     from archiver.__main__ import main
 
     start = time.monotonic()
-    assert main(["catalog", "--archive", str(built["store"] / f"{NAME}.mar"), "--catalog",
-                 str(built["root"] / "items2.jsonl"), "--version", "2.0", "--export-path", str(built["store"])]) == 0
+    assert (
+        main(
+            [
+                "catalog",
+                "--archive",
+                str(built["store"] / f"{NAME}.mar"),
+                "--catalog",
+                str(built["root"] / "items2.jsonl"),
+                "--version",
+                "2.0",
+                "--export-path",
+                str(built["store"]),
+            ]
+        )
+        == 0
+    )
     seconds = time.monotonic() - start
     zipfile.ZipFile(built["store"] / V2_MAR).extractall(built["root"] / "v2")
     return {"seconds": seconds, "v2": built["root"] / "v2"}
@@ -180,10 +225,17 @@ def test_catalog_swap_writes_version_2_in_seconds_and_serves_the_new_catalog(ser
     try:
         assert set(versions(server)) == {"1.0", "2.0"}
         for prompt in PROMPTS:
-            for request in ({"prompt": prompt}, {"prompt": prompt, "beam_width": 4, "top": 2},
-                            {"prompt": prompt, "exclude": ["item-0", "item-1"]}):  # item-0: removed
-                status, answer = http("POST", f"{server.inference}/predictions/{NAME}/2.0", body(request),
-                                      {"Content-Type": "application/json"})
+            for request in (
+                {"prompt": prompt},
+                {"prompt": prompt, "beam_width": 4, "top": 2},
+                {"prompt": prompt, "exclude": ["item-0", "item-1"]},
+            ):  # item-0: removed
+                status, answer = http(
+                    "POST",
+                    f"{server.inference}/predictions/{NAME}/2.0",
+                    body(request),
+                    {"Content-Type": "application/json"},
+                )
                 assert status == 200 and answer == engine_bytes(v2, request), (request, answer)
                 ids = {c["id"] for c in json.loads(answer)["candidates"]}
                 assert ids <= set(CATALOG2), ids
@@ -237,8 +289,13 @@ def test_version_switch_under_traffic_fails_no_request(server, v1, v2):
             with lock:
                 current[k] = sent = time.monotonic()
             try:
-                status, answer = http("POST", f"{server.inference}/predictions/{NAME}", body({"prompt": prompt}),
-                                      {"Content-Type": "application/json"}, timeout=30)
+                status, answer = http(
+                    "POST",
+                    f"{server.inference}/predictions/{NAME}",
+                    body({"prompt": prompt}),
+                    {"Content-Type": "application/json"},
+                    timeout=30,
+                )
             except OSError as e:  # a dropped connection, or a request never answered (the timeout)
                 status, answer = 0, repr(e).encode()
             with lock:
@@ -249,8 +306,9 @@ def test_version_switch_under_traffic_fails_no_request(server, v1, v2):
     def answered_since(when: float, count: int, limit: float = 30) -> None:
         """Wait until `count` requests sent after `when` are answered (at least a second, at most `limit`)."""
         deadline, least = time.monotonic() + limit, time.monotonic() + 1.0
-        while time.monotonic() < least or (time.monotonic() < deadline and
-                                           sum(r[1] > when for r in list(results)) < count):
+        while time.monotonic() < least or (
+            time.monotonic() < deadline and sum(r[1] > when for r in list(results)) < count
+        ):
             time.sleep(0.05)
 
     threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in current]
@@ -266,8 +324,9 @@ def test_version_switch_under_traffic_fails_no_request(server, v1, v2):
         # synchronous=false and polling for READY avoids that; on 2 cores the new worker's start
         # then slows 1.0's calls instead (its graph from 1 ms to up to 1.5 s, measured).
         t["register_sent"] = time.monotonic()
-        status, answer = http("POST", f"{server.management}/models?url={V2_MAR}&initial_workers=1&synchronous=true",
-                              timeout=300)
+        status, answer = http(
+            "POST", f"{server.management}/models?url={V2_MAR}&initial_workers=1&synchronous=true", timeout=300
+        )
         assert status == 200, answer
         t["registered"] = time.monotonic()
         time.sleep(0.5)
@@ -310,24 +369,32 @@ def test_version_switch_under_traffic_fails_no_request(server, v1, v2):
         which.append(1 + items[prompt].index(got) if got in items[prompt] else 0)
         if which[-1]:
             want = json.loads(expected[prompt][which[-1] - 1])["candidates"]
-            score_diff = max([score_diff] + [abs(c["score"] - w["score"])
-                                             for c, w in zip(json.loads(answer)["candidates"], want)])
+            score_diff = max(
+                [score_diff] + [abs(c["score"] - w["score"]) for c, w in zip(json.loads(answer)["candidates"], want)]
+            )
             identical += answer == expected[prompt][which[-1] - 1]
     during = [r for r in results if r[1] < t["registered"] and r[2] > t["register_sent"]]
     after_delete = [r for r in results if r[1] > t["unregistered"]]
     latency = sorted(done - sent for _, sent, done, *_ in results)
     others = sorted(r[2] - r[1] for r in results if r not in during)
-    ms = {k: (t[b] - t[a]) * 1e3 for k, a, b in (("set_default", "switch_sent", "switched"),
-                                                  ("drain", "switched", "drained"),
-                                                  ("unregister", "drained", "unregistered"))}
-    print(f"\nversion switch under traffic: {len(results)} requests from 2 clients, {len(failed)} failed; "
-          f"{which.count(1)} answered by 1.0, {which.count(2)} by 2.0, {which.count(0)} by neither "
-          f"({identical} the bytes of the engine's answer alone, scores within {score_diff:.1e}); "
-          f"{len(during)} overlapped registering 2.0 ({t['registered'] - t['register_sent']:.1f} s); "
-          f"set-default {ms['set_default']:.0f} ms; 1.0 drained {ms['drain']:.0f} ms after it ({polls} polls); "
-          f"unregistering 1.0 {ms['unregister']:.0f} ms; {len(after_delete)} requests after it; "
-          f"latency median {latency[len(latency) // 2] * 1e3:.0f} ms, max {latency[-1] * 1e3:.0f} ms "
-          f"(max {others[-1] * 1e3:.0f} ms outside the registration)")
+    ms = {
+        k: (t[b] - t[a]) * 1e3
+        for k, a, b in (
+            ("set_default", "switch_sent", "switched"),
+            ("drain", "switched", "drained"),
+            ("unregister", "drained", "unregistered"),
+        )
+    }
+    print(
+        f"\nversion switch under traffic: {len(results)} requests from 2 clients, {len(failed)} failed; "
+        f"{which.count(1)} answered by 1.0, {which.count(2)} by 2.0, {which.count(0)} by neither "
+        f"({identical} the bytes of the engine's answer alone, scores within {score_diff:.1e}); "
+        f"{len(during)} overlapped registering 2.0 ({t['registered'] - t['register_sent']:.1f} s); "
+        f"set-default {ms['set_default']:.0f} ms; 1.0 drained {ms['drain']:.0f} ms after it ({polls} polls); "
+        f"unregistering 1.0 {ms['unregister']:.0f} ms; {len(after_delete)} requests after it; "
+        f"latency median {latency[len(latency) // 2] * 1e3:.0f} ms, max {latency[-1] * 1e3:.0f} ms "
+        f"(max {others[-1] * 1e3:.0f} ms outside the registration)"
+    )
     assert failed == [], failed
     assert 0 not in which and score_diff <= 1e-5
     for (_, sent, done, *_), w in zip(results, which):

@@ -23,8 +23,9 @@ def test_demo_answers_equal_the_engine(demo):
         ref = beam.beam(prompt)
         assert [c["token_ids"] for c in answers["beams"][prompt]] == [c["token_ids"] for c in ref]
         # compiled against eager in fp32: the archiver's own bound (1.01e-4 measured on an AMD EPYC)
-        assert [c["score"] for c in answers["beams"][prompt]] == pytest.approx([c["score"] for c in ref],
-                                                                               abs=BeamTask.tolerance["fp32"])
+        assert [c["score"] for c in answers["beams"][prompt]] == pytest.approx(
+            [c["score"] for c in ref], abs=BeamTask.tolerance["fp32"]
+        )
     status, body = answers["bad"]
     assert status == 400 and b"'texts' is empty" in body
 
@@ -51,8 +52,9 @@ def test_demo_retrieves_catalog_items_as_the_engine_does(demo):
             assert c["token_ids"] == title + engine.task.stop_ids * (len(title) < engine.task.new_tokens)
         ref = engine.run_one(engine.task.request({"prompt": prompt}))["candidates"]
         assert [(c["id"], c["token_ids"]) for c in candidates] == [(c["id"], c["token_ids"]) for c in ref]
-        assert [c["score"] for c in candidates] == pytest.approx([c["score"] for c in ref],
-                                                                 abs=BeamTask.tolerance["fp32"])
+        assert [c["score"] for c in candidates] == pytest.approx(
+            [c["score"] for c in ref], abs=BeamTask.tolerance["fp32"]
+        )
     request, answer = answers["retrieve_exclude"], answers["retrieve_excluded"]
     (sold_out,) = request["exclude"]
     assert sold_out == answers["retrieve"][request["prompt"]]["candidates"][0]["id"] and request["top"] == 3

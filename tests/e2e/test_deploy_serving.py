@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from deploy_env import CONFIG, DEPLOY, SERVE, TASK, serve_env, stop_replica
+
 from handlers.local_server import free_ports, http
 
 
@@ -36,25 +36,46 @@ def test_serves_the_real_archive_it_finds(tmp_path, demo):
     env = serve_env(tmp_path, "false", smollm2_path(), PATH=f"{bindir}:{os.environ['PATH']}")
 
     inference, management, metrics, grpc_i, grpc_m, workers = free_ports(6)
-    config = {**CONFIG, "inference_address": f"http://127.0.0.1:{inference}",
-              "management_address": f"http://127.0.0.1:{management}",
-              "metrics_address": f"http://127.0.0.1:{metrics}", "grpc_inference_port": str(grpc_i),
-              "grpc_management_port": str(grpc_m), "initial_worker_port": str(workers)}
+    config = {
+        **CONFIG,
+        "inference_address": f"http://127.0.0.1:{inference}",
+        "management_address": f"http://127.0.0.1:{management}",
+        "metrics_address": f"http://127.0.0.1:{metrics}",
+        "grpc_inference_port": str(grpc_i),
+        "grpc_management_port": str(grpc_m),
+        "initial_worker_port": str(workers),
+    }
     (tmp_path / "ts.properties").write_text("".join(f"{k}={v}\n" for k, v in config.items()))
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "tmp").mkdir()
     drain_file = str(tmp_path / "run" / "draining")  # the container's one TMPDIR, as serve.sh and the probe share it
-    serve = {**env, "BUILD_ONLY": "0", "TS_CONFIG": str(tmp_path / "ts.properties"), "DRAIN_FILE": drain_file,
-             "TMPDIR": str(tmp_path / "run" / "tmp"), "LOG_LOCATION": str(tmp_path / "run" / "logs"),
-             "METRICS_LOCATION": str(tmp_path / "run" / "logs")}
+    serve = {
+        **env,
+        "BUILD_ONLY": "0",
+        "TS_CONFIG": str(tmp_path / "ts.properties"),
+        "DRAIN_FILE": drain_file,
+        "TMPDIR": str(tmp_path / "run" / "tmp"),
+        "LOG_LOCATION": str(tmp_path / "run" / "logs"),
+        "METRICS_LOCATION": str(tmp_path / "run" / "logs"),
+    }
     log = open(tmp_path / "run" / "stdout.log", "wb")
-    proc = subprocess.Popen([str(SERVE)], env=serve, cwd=tmp_path / "run", stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)  # its own process group: killed whole below
+    proc = subprocess.Popen(
+        [str(SERVE)], env=serve, cwd=tmp_path / "run", stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )  # its own process group: killed whole below
 
     def ready(store: Path) -> subprocess.CompletedProcess:  # the readiness probe, as the manifests run it
-        return subprocess.run([sys.executable, str(DEPLOY / "ready.py")], capture_output=True, text=True, timeout=30,
-                              env={**os.environ, "MODEL_STORE": str(store), "MANAGEMENT": f"http://127.0.0.1:{management}",
-                                   "DRAIN_FILE": drain_file})
+        return subprocess.run(
+            [sys.executable, str(DEPLOY / "ready.py")],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={
+                **os.environ,
+                "MODEL_STORE": str(store),
+                "MANAGEMENT": f"http://127.0.0.1:{management}",
+                "DRAIN_FILE": drain_file,
+            },
+        )
 
     try:
         start, healthy, deadline = time.monotonic(), None, time.monotonic() + 300
@@ -73,9 +94,13 @@ def test_serves_the_real_archive_it_finds(tmp_path, demo):
             time.sleep(0.5)
         print(f"\n/ping Healthy after {healthy} s, ready.py ready after {time.monotonic() - start:.1f} s")
         # ready means a request is answered at once
-        status, body = http("POST", f"http://127.0.0.1:{inference}/predictions/smollm2_intent",
-                            json.dumps({"texts": ["cheap flights to rome"]}).encode(),
-                            {"Content-Type": "application/json"}, timeout=30)
+        status, body = http(
+            "POST",
+            f"http://127.0.0.1:{inference}/predictions/smollm2_intent",
+            json.dumps({"texts": ["cheap flights to rome"]}).encode(),
+            {"Content-Type": "application/json"},
+            timeout=30,
+        )
         assert status == 200, body
         # an archive in the store that TorchServe does not serve: not ready, named
         (tmp_path / "other").mkdir()
@@ -90,8 +115,12 @@ def test_serves_the_real_archive_it_finds(tmp_path, demo):
         assert status == 200 and b"ts_inference_requests_total" in body
         # metrics.yaml through serve.sh: TorchServe's queue wait as a histogram
         assert b"QueueTime_bucket" in body and b"SlmGraphCallSeconds_bucket" in body
-        drain_under_load(proc, f"http://127.0.0.1:{inference}/predictions/smollm2_intent",
-                         lambda: ready(tmp_path / "store"), tmp_path / "run" / "stdout.log")
+        drain_under_load(
+            proc,
+            f"http://127.0.0.1:{inference}/predictions/smollm2_intent",
+            lambda: ready(tmp_path / "store"),
+            tmp_path / "run" / "stdout.log",
+        )
     finally:
         stop_replica(proc, timeout=30)
         log.close()

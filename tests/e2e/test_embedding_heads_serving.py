@@ -7,13 +7,21 @@ import zipfile
 import pytest
 import torch
 import yaml
-
 from helpers import CLASSIFIER_TEXTS as TEXTS
 from helpers import write_mlp
+
 from slm_core import Engine
 
-EMBED = {"task": "score", "head": "embedding", "dims": 32, "normalize": True, "precision": "fp32",
-         "max_texts": 4, "max_text_tokens": 32, "max_batch": 2}
+EMBED = {
+    "task": "score",
+    "head": "embedding",
+    "dims": 32,
+    "normalize": True,
+    "precision": "fp32",
+    "max_texts": 4,
+    "max_text_tokens": 32,
+    "max_batch": 2,
+}
 
 
 @pytest.mark.slow
@@ -31,18 +39,34 @@ def test_embedding_and_mlp_archives_serve_through_torchserve(tmp_path, random_ch
     store, packages = tmp_path / "store", {}
     for name, spec in tasks.items():
         (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(spec))
-        assert main(["build", "--checkpoint", str(folder), "--task", str(tmp_path / f"{name}.yaml"),
-                     "--model-name", name, "--export-path", str(store)]) == 0
+        assert (
+            main(
+                [
+                    "build",
+                    "--checkpoint",
+                    str(folder),
+                    "--task",
+                    str(tmp_path / f"{name}.yaml"),
+                    "--model-name",
+                    name,
+                    "--export-path",
+                    str(store),
+                ]
+            )
+            == 0
+        )
         zipfile.ZipFile(store / f"{name}.mar").extractall(tmp_path / name)
         packages[name] = load_package(tmp_path / name, engine=Engine)
     eager = Engine.from_checkpoint(folder, EMBED)
-    torch.testing.assert_close(torch.tensor(packages["embed"].embed(TEXTS[:3])), torch.tensor(eager.embed(TEXTS[:3])),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(packages["embed"].embed(TEXTS[:3])), torch.tensor(eager.embed(TEXTS[:3])), atol=1e-5, rtol=0
+    )
     # the MLP's file travels in the package; its graph holds the weights
     assert (tmp_path / "intent" / "mlp.safetensors").read_bytes() == (tmp_path / "intent.safetensors").read_bytes()
     eager = Engine.from_checkpoint(folder, {**tasks["intent"], "mlp": str(tmp_path / "intent.safetensors")})
-    torch.testing.assert_close(torch.tensor(packages["intent"].score(TEXTS[:3])), torch.tensor(eager.score(TEXTS[:3])),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(packages["intent"].score(TEXTS[:3])), torch.tensor(eager.score(TEXTS[:3])), atol=1e-5, rtol=0
+    )
     (tmp_path / "ts").mkdir()
     server = TorchServe(tmp_path / "ts", store).start()
     try:
@@ -52,14 +76,16 @@ def test_embedding_and_mlp_archives_serve_through_torchserve(tmp_path, random_ch
         assert status == 200
         answer = json.loads(body)
         assert list(answer) == ["embeddings"] and [len(row) for row in answer["embeddings"]] == [32] * 3
-        torch.testing.assert_close(torch.tensor(answer["embeddings"]), torch.tensor(packages["embed"].embed(TEXTS[:3])),
-                                   atol=1e-6, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(answer["embeddings"]), torch.tensor(packages["embed"].embed(TEXTS[:3])), atol=1e-6, rtol=0
+        )
         status, body = server.predict("intent", json.dumps({"texts": TEXTS[:3]}).encode())
         assert status == 200
         answer = json.loads(body)
         assert answer["labels"] == ["news", "music", "travel"]
-        torch.testing.assert_close(torch.tensor(answer["scores"]), torch.tensor(packages["intent"].score(TEXTS[:3])),
-                                   atol=1e-6, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(answer["scores"]), torch.tensor(packages["intent"].score(TEXTS[:3])), atol=1e-6, rtol=0
+        )
         for name in tasks:
             status, body = server.predict(name, json.dumps({"texts": ["x"] * 5}).encode())  # over max_texts
             assert status == 400 and "max_texts=4" in json.loads(body)["error"]

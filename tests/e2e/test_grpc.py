@@ -51,11 +51,24 @@ def grpc_stubs(folder: Path):
             (folder / "proto" / name).write_bytes(z.read(name))
     (folder / "out").mkdir()
     well_known = Path(protoc.__file__).parent / "_proto"  # google/protobuf/empty.proto and the like
-    assert protoc.main(["protoc", f"-I{folder / 'proto'}", f"-I{well_known}", f"--python_out={folder / 'out'}",
-                        f"--grpc_python_out={folder / 'out'}", *(str(folder / "proto" / p) for p in protos)]) == 0
+    assert (
+        protoc.main(
+            [
+                "protoc",
+                f"-I{folder / 'proto'}",
+                f"-I{well_known}",
+                f"--python_out={folder / 'out'}",
+                f"--grpc_python_out={folder / 'out'}",
+                *(str(folder / "proto" / p) for p in protos),
+            ]
+        )
+        == 0
+    )
     sys.path.insert(0, str(folder / "out"))  # google.rpc joins the google namespace package from here
-    return tuple(importlib.import_module(m) for m in ("inference_pb2", "inference_pb2_grpc", "management_pb2",
-                                                      "management_pb2_grpc"))
+    return tuple(
+        importlib.import_module(m)
+        for m in ("inference_pb2", "inference_pb2_grpc", "management_pb2", "management_pb2_grpc")
+    )
 
 
 class Grpc:
@@ -65,11 +78,14 @@ class Grpc:
         import grpc
 
         self.grpc, (self.pb, inference, self.mpb, management) = grpc, stubs
-        config = dict(l.split("=", 1) for l in server.config.read_text().splitlines() if "=" in l and l[0] != "#")
+        settings = server.config.read_text().splitlines()
+        config = dict(line.split("=", 1) for line in settings if "=" in line and line[0] != "#")
         self.options = [("grpc.enable_http_proxy", 0)]  # loopback: never through a proxy the environment names
         self.address, self.inference_module = f"127.0.0.1:{config['grpc_inference_port']}", inference
-        self.channels = [grpc.insecure_channel(a, options=self.options)
-                         for a in (self.address, f"127.0.0.1:{config['grpc_management_port']}")]
+        self.channels = [
+            grpc.insecure_channel(a, options=self.options)
+            for a in (self.address, f"127.0.0.1:{config['grpc_management_port']}")
+        ]
         self.inference = inference.InferenceAPIsServiceStub(self.channels[0])
         self.management = management.ManagementAPIsServiceStub(self.channels[1])
 
@@ -83,8 +99,9 @@ class Grpc:
 
     def workers(self, model: str) -> list[tuple[str, int, str]]:
         """(id, pid, status) of each worker, from the gRPC management API's DescribeModel."""
-        described = json.loads(self.management.DescribeModel(self.mpb.DescribeModelRequest(model_name=model),
-                                                              timeout=30).msg)
+        described = json.loads(
+            self.management.DescribeModel(self.mpb.DescribeModelRequest(model_name=model), timeout=30).msg
+        )
         return [(w["id"], w["pid"], w["status"]) for w in described[0]["workers"]]
 
 
@@ -148,16 +165,19 @@ def test_stream_predictions_answer_once_and_the_worker_stays(served):
         for _ in range(4):
             start = time.monotonic()
             try:
-                messages = [m.prediction for m in client.inference.StreamPredictions(client.request(model, body),
-                                                                                     timeout=60)]
+                messages = [
+                    m.prediction for m in client.inference.StreamPredictions(client.request(model, body), timeout=60)
+                ]
                 outcome = "OK"
             except client.grpc.RpcError as e:
                 messages, outcome = [], f"{e.code().name}: {e.details()}"
             stream_s = time.monotonic() - start
             status, answer, rest_s = rest_after(server, model, body)
             calls.append((outcome, messages, stream_s, status, answer, rest_s, client.workers(model)))
-        print(f"\n{model} StreamPredictions x4: workers before {before}; per call (outcome, stream s, REST after s, "
-              f"workers after): {[(c[0], round(c[2], 3), round(c[5], 3), c[6]) for c in calls]}")
+        print(
+            f"\n{model} StreamPredictions x4: workers before {before}; per call (outcome, stream s, REST after s, "
+            f"workers after): {[(c[0], round(c[2], 3), round(c[5], 3), c[6]) for c in calls]}"
+        )
         for outcome, messages, _, status, answer, rest_s, workers in calls:
             assert (outcome, messages) == ("OK", [expected])
             assert (status, answer) == (200, expected) and rest_s < FAST_S
@@ -175,7 +195,10 @@ def test_a_bad_request_gets_invalid_argument_with_the_rest_error(served):
     for model, body, message in BAD:
         status, rest = server.predict(model, body)
         assert status == 400 and message in json.loads(rest)["error"], rest
-        for call in (client.inference.Predictions, lambda r, timeout: list(client.inference.StreamPredictions(r, timeout=timeout))):
+        for call in (
+            client.inference.Predictions,
+            lambda r, timeout: list(client.inference.StreamPredictions(r, timeout=timeout)),
+        ):
             with pytest.raises(client.grpc.RpcError) as raised:
                 call(client.request(model, body), timeout=60)
             assert raised.value.code() == client.grpc.StatusCode.INVALID_ARGUMENT, (body[:40], raised.value)
@@ -186,16 +209,19 @@ def test_a_bad_request_gets_invalid_argument_with_the_rest_error(served):
     assert raised.value.code() == client.grpc.StatusCode.INVALID_ARGUMENT
     assert "expected a JSON body" in raised.value.details()
     assert {m: client.workers(m) for m in before} == before
-    assert client.inference.Predictions(client.request("tiny_score", SCORE), timeout=60).prediction == \
-        server.predict("tiny_score", SCORE)[1]
+    assert (
+        client.inference.Predictions(client.request("tiny_score", SCORE), timeout=60).prediction
+        == server.predict("tiny_score", SCORE)[1]
+    )
 
 
 def test_grpc_and_rest_requests_at_once_each_get_their_own_answer(served):
     """Good and bad gRPC requests (both calls) and good and bad REST requests at once, so that the
     worker batches them (max_batch 3) in whatever mix: every good one gets its answer (its bytes
-    alone; batched, its rows within 1e-6 as README's determinism says), every bad REST one its 400; a bad gRPC one gets INVALID_ARGUMENT, or status OK with the JSON error as its
-    answer where TorchServe batched it with other requests (it carries one status per batch to
-    gRPC); no worker restarts."""
+    alone; batched, its rows within 1e-6 as README's determinism says), every bad REST one its 400;
+    a bad gRPC one gets INVALID_ARGUMENT, or status OK with the JSON error as its answer where
+    TorchServe batched it with other requests (it carries one status per batch to gRPC); no worker
+    restarts."""
     server, client = served
     bad = b'{"texts": []}'
     expected, error = server.predict("tiny_score", SCORE)[1], server.predict("tiny_score", bad)[1]
@@ -208,8 +234,10 @@ def test_grpc_and_rest_requests_at_once_each_get_their_own_answer(served):
             if kind == "rest":
                 results[kind, good, i] = server.predict("tiny_score", body)
             elif kind == "unary":
-                results[kind, good, i] = ("OK", client.inference.Predictions(client.request("tiny_score", body),
-                                                                             timeout=60).prediction)
+                results[kind, good, i] = (
+                    "OK",
+                    client.inference.Predictions(client.request("tiny_score", body), timeout=60).prediction,
+                )
             else:
                 messages = list(client.inference.StreamPredictions(client.request("tiny_score", body), timeout=60))
                 results[kind, good, i] = ("OK", *[m.prediction for m in messages])
@@ -238,8 +266,10 @@ def test_grpc_and_rest_requests_at_once_each_get_their_own_answer(served):
         else:
             assert result in (("INVALID_ARGUMENT", error), ("OK", error)), result
     shared = sum(results[k] == ("OK", error) for k in results if k[0] != "rest")
-    print(f"\n{len(jobs)} requests at once: {shared} of 8 bad gRPC requests answered OK with the error "
-          "(batched with others)")
+    print(
+        f"\n{len(jobs)} requests at once: {shared} of 8 bad gRPC requests answered OK with the error "
+        "(batched with others)"
+    )
     assert client.workers("tiny_score") == before
 
 
@@ -261,13 +291,17 @@ def test_stream_predictions2_refuses_and_drops_yet_hurts_no_worker(served):
         for start in ({}, {"ts_request_sequence_start": b"true"}):
             request = client.pb.PredictionsRequest(model_name="tiny_score", input={"body": SCORE, **start})
             messages = list(stub.StreamPredictions2(iter([request]), timeout=60))
-            assert [(m.prediction, m.status.code, m.status.message) for m in messages] == \
-                [(b"", 13, "Parameter sequenceId is required.")]
+            assert [(m.prediction, m.status.code, m.status.message) for m in messages] == [
+                (b"", 13, "Parameter sequenceId is required.")
+            ]
         for i in range(4):
             done = threading.Event()
             with pytest.raises(client.grpc.RpcError) as raised:
-                list(stub.StreamPredictions2(held(client.request("tiny_score", SCORE, sequence_id=f"held-{i}"), done),
-                                             timeout=60))
+                list(
+                    stub.StreamPredictions2(
+                        held(client.request("tiny_score", SCORE, sequence_id=f"held-{i}"), done), timeout=60
+                    )
+                )
             assert raised.value.code() == client.grpc.StatusCode.UNKNOWN
             time.sleep(0.5)  # the worker's answer to it, dropped, lands meanwhile
             done.set()
@@ -298,13 +332,21 @@ def test_stream_predictions2_closed_early_with_a_sequence_id_can_lose_the_worker
     try:
         for i in range(6):
             with pytest.raises(client.grpc.RpcError) as raised:
-                list(stub.StreamPredictions2(iter([client.request("tiny_sp2", SCORE, sequence_id=f"early-{i}")]),
-                                             timeout=60))
+                list(
+                    stub.StreamPredictions2(
+                        iter([client.request("tiny_sp2", SCORE, sequence_id=f"early-{i}")]), timeout=60
+                    )
+                )
             assert raised.value.code() == client.grpc.StatusCode.UNKNOWN
             time.sleep(0.5)
             try:
-                answered = http("POST", f"{server.inference}/predictions/tiny_sp2", SCORE,
-                                {"Content-Type": "application/json"}, timeout=5) == (200, expected)
+                answered = http(
+                    "POST",
+                    f"{server.inference}/predictions/tiny_sp2",
+                    SCORE,
+                    {"Content-Type": "application/json"},
+                    timeout=5,
+                ) == (200, expected)
             except TimeoutError:
                 answered = False
             assert client.workers("tiny_sp2") == before  # listed as it was, lost or not
@@ -326,10 +368,10 @@ def test_the_handler_marks_grpc_replies_and_fails_only_an_all_grpc_batch(archive
     mixes a live server makes only by chance: a request with no headers (gRPC) gets
     ts_stream_next=false and a REST one never does; a batch is failed with one error only when its
     requests all came through gRPC and all got that error."""
+    from mock_ts import MockContext
     from ts.utils.util import PredictionException
 
     from handlers.slm_handler import SlmHandler
-    from mock_ts import MockContext
     from slm_core.serving import ServingSpec
 
     rest = {"Content-Type": "application/json", "Content-Length": "13"}
@@ -366,18 +408,22 @@ def test_the_demo_archives_answer_through_grpc(stubs, demo, tmp_path):
         server.register("smollm2_intent.mar")
         server.register("smollm2_complete.mar")
         client = Grpc(server, stubs)
-        for model, body in (("smollm2_intent", b'{"texts": ["cheap flights to rome", "iphone 15 case"]}'),
-                            ("smollm2_complete", b'{"prompt": "cheap flights to"}')):
+        for model, body in (
+            ("smollm2_intent", b'{"texts": ["cheap flights to rome", "iphone 15 case"]}'),
+            ("smollm2_complete", b'{"prompt": "cheap flights to"}'),
+        ):
             status, expected = server.predict(model, body)
             assert status == 200, expected
             assert client.inference.Predictions(client.request(model, body), timeout=120).prediction == expected
             before = client.workers(model)
             for _ in range(4):
-                assert [m.prediction for m in client.inference.StreamPredictions(client.request(model, body),
-                                                                                 timeout=120)] == [expected]
+                assert [
+                    m.prediction for m in client.inference.StreamPredictions(client.request(model, body), timeout=120)
+                ] == [expected]
             assert client.workers(model) == before
-            assert http("POST", f"{server.inference}/predictions/{model}", body,
-                        {"Content-Type": "application/json"}) == (200, expected)
+            assert http(
+                "POST", f"{server.inference}/predictions/{model}", body, {"Content-Type": "application/json"}
+            ) == (200, expected)
     finally:
         if client is not None:
             for channel in client.channels:

@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-
 from conftest import BEAM_TASK, SCORE_TASK
 from deploy_env import CONFIG, SERVE, serve_env, stop_replica
+
 from handlers.local_server import free_ports, http
 
 TEXTS = ["cheap flights to rome", "iphone case", "rome"]
@@ -35,22 +35,35 @@ def replica(archives, tmp_path_factory):
     for name in ("tiny_score", "tiny_beam"):  # only these: other tests add archives to the shared store
         shutil.copy(archives["store"] / f"{name}.mar", root / "store")
     gateway, inference, management, metrics, grpc_i, grpc_m, workers = free_ports(7)
-    config = {**CONFIG, "inference_address": "http://0.0.0.0:1",  # serve.sh moves it (TS_INFERENCE_ADDRESS)
-              "management_address": f"http://127.0.0.1:{management}",
-              "metrics_address": f"http://127.0.0.1:{metrics}", "grpc_inference_port": str(grpc_i),
-              "grpc_management_port": str(grpc_m), "initial_worker_port": str(workers)}
+    config = {
+        **CONFIG,
+        "inference_address": "http://0.0.0.0:1",  # serve.sh moves it (TS_INFERENCE_ADDRESS)
+        "management_address": f"http://127.0.0.1:{management}",
+        "metrics_address": f"http://127.0.0.1:{metrics}",
+        "grpc_inference_port": str(grpc_i),
+        "grpc_management_port": str(grpc_m),
+        "initial_worker_port": str(workers),
+    }
     (root / "ts.properties").write_text("".join(f"{k}={v}\n" for k, v in config.items()))
     (root / "run" / "tmp").mkdir(parents=True)
     bindir = str(Path(sys.executable).parent)
-    env = {**serve_env(root, "false", str(archives["checkpoint"]), PATH=f"{bindir}:{os.environ['PATH']}"),
-           "BUILD_ONLY": "0", "KSERVE_GATEWAY": "1", "TS_CONFIG": str(root / "ts.properties"),
-           "TS_INFERENCE_ADDRESS": f"http://127.0.0.1:{inference}", "GATEWAY_ADDRESS": f"127.0.0.1:{gateway}",
-           "MANAGEMENT": f"http://127.0.0.1:{management}", "DRAIN_FILE": str(root / "run" / "draining"),
-           "TMPDIR": str(root / "run" / "tmp"), "LOG_LOCATION": str(root / "run" / "logs"),
-           "METRICS_LOCATION": str(root / "run" / "logs")}
+    env = {
+        **serve_env(root, "false", str(archives["checkpoint"]), PATH=f"{bindir}:{os.environ['PATH']}"),
+        "BUILD_ONLY": "0",
+        "KSERVE_GATEWAY": "1",
+        "TS_CONFIG": str(root / "ts.properties"),
+        "TS_INFERENCE_ADDRESS": f"http://127.0.0.1:{inference}",
+        "GATEWAY_ADDRESS": f"127.0.0.1:{gateway}",
+        "MANAGEMENT": f"http://127.0.0.1:{management}",
+        "DRAIN_FILE": str(root / "run" / "draining"),
+        "TMPDIR": str(root / "run" / "tmp"),
+        "LOG_LOCATION": str(root / "run" / "logs"),
+        "METRICS_LOCATION": str(root / "run" / "logs"),
+    }
     log = open(root / "run" / "stdout.log", "wb")
-    proc = subprocess.Popen([str(SERVE)], env=env, cwd=root / "run", stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [str(SERVE)], env=env, cwd=root / "run", stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     base = f"http://127.0.0.1:{gateway}"
     try:
         deadline = time.monotonic() + 300
@@ -73,8 +86,13 @@ def strings(x) -> str:
 
 
 def native(base: str, model: str, body: dict) -> dict:
-    status, answer = http("POST", f"{base}/predictions/{model}", json.dumps(body).encode(),
-                          {"Content-Type": "application/json"}, timeout=60)
+    status, answer = http(
+        "POST",
+        f"{base}/predictions/{model}",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+        timeout=60,
+    )
     assert status == 200, answer
     return json.loads(answer)
 
@@ -125,7 +143,11 @@ def test_tritonclient_metadata_binary_tensors_and_errors(replica):
     assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("tiny_beam")
     meta = client.get_model_metadata("tiny_beam")
     assert [(t["name"], t["datatype"], t["shape"]) for t in meta["inputs"]] == [
-        ("prompt", "BYTES", [1]), ("beam_width", "INT32", [1]), ("new_tokens", "INT32", [1]), ("top", "INT32", [1])]
+        ("prompt", "BYTES", [1]),
+        ("beam_width", "INT32", [1]),
+        ("new_tokens", "INT32", [1]),
+        ("top", "INT32", [1]),
+    ]
     assert [t["name"] for t in meta["outputs"]] == ["text", "token_ids", "score"]
     want = native(straight, "tiny_beam", {"prompt": "rome", "top": 3})["candidates"]
     prompt = triton.InferInput("prompt", [1], "BYTES")

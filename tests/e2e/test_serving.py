@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from slm_core.serve.loader import load_package
-from slm_core.serve.protocol import Request, respond
 from handlers.local_server import TorchServe, http
 from slm_core import Engine
+from slm_core.serve.loader import load_package
+from slm_core.serve.protocol import Request, respond
 
 
 def copy_archive(src, dst, member: str, edit) -> None:
@@ -143,16 +143,16 @@ BAD = [
     (b'{"texts": "a"}', "must be an array of strings, got a string"),
     (b'{"texts": {"a": 1}}', "must be an array of strings, got an object"),
     (b'{"texts": [null]}', "texts[0] must be a string, got null"),
-    (json.dumps(json.dumps({"texts": ["a"]})).encode(), "must be a JSON object like {\"texts\": ...}, got a string"),
+    (json.dumps(json.dumps({"texts": ["a"]})).encode(), 'must be a JSON object like {"texts": ...}, got a string'),
     (b'{"texts": [1, 2]}', "texts[0] must be a string"),
     (b'{"texts": []}', "'texts' is empty"),
     (b'{"texts": [""]}', "texts[0] is empty"),
     (b'{"texts": ["a", "b", "c", "d", "e", "f", "g", "h", "i"]}', "max_texts=8"),
     (json.dumps({"texts": ["word " * 200]}).encode(), "max_text_tokens=64"),
     (b'{"texts": ["\xff\xfe"]}', "not valid UTF-8"),
-    (b'[' * 100000 + b']' * 100000, "nests arrays or objects too deeply"),
-    (b'{"texts": [' + b'1' * 5000 + b']}', "a number of more than 32 digits"),
-    (b'{"texts": [' + b'1' * 40 + b']}', "a number of 40 digits (at most 32)"),
+    (b"[" * 100000 + b"]" * 100000, "nests arrays or objects too deeply"),
+    (b'{"texts": [' + b"1" * 5000 + b"]}", "a number of more than 32 digits"),
+    (b'{"texts": [' + b"1" * 40 + b"]}", "a number of 40 digits (at most 32)"),
     (b'{"texts": [NaN]}', "holds NaN, which is not JSON"),
     (b"[1, 2, 3]", "must be a JSON object"),
     (b'{"texts": ["' + b"a" * (10 * 1024 * 1024) + b'"]}', "characters, more than max_text_tokens=64"),
@@ -185,15 +185,25 @@ def test_a_thousand_bad_requests_among_valid_ones_hurt_nobody(server):
 
     from bench.reliability import bad_requests, run, valid_requests
 
-    for model, task, items, n_bad, n_valid in (("tiny_score", "score", 8, 1000, 100), ("tiny_beam", "beam", 1, 300, 50)):
+    for model, task, items, n_bad, n_valid in (
+        ("tiny_score", "score", 8, 1000, 100),
+        ("tiny_beam", "beam", 1, 300, 50),
+    ):
         rng = random.Random(7)
         bad = bad_requests(task, items, 64, rng, n_bad)
-        result = run(f"{server.inference}/predictions/{model}", server.management, model, bad,
-                     valid_requests(task, items, rng, n_valid))
+        result = run(
+            f"{server.inference}/predictions/{model}",
+            server.management,
+            model,
+            bad,
+            valid_requests(task, items, rng, n_valid),
+        )
         print(f"\n{model}: {json.dumps({k: v for k, v in result.items() if k != 'failures'})}")
         assert result["failures"] == [], result["failures"][:5]
         assert result["worker_restarts"] == 0 and result["bad"] == n_bad and len(result["kinds"]) == 17
-        assert result["alone_repeats"] == n_valid and result["alone_workers"]  # each repeat alone: same bytes; the handler names its worker
+        assert (
+            result["alone_repeats"] == n_valid and result["alone_workers"]
+        )  # each repeat alone: same bytes; the handler names its worker
         assert sum(v for k, v in result["statuses"].items() if k.startswith("4")) == n_bad
 
 
@@ -206,9 +216,14 @@ def test_broken_archives_fail_to_register_with_the_reason_logged_and_no_crash_lo
     source = (store / "tiny_score.mar").read_bytes()
     (store / "broken_corrupt.mar").write_bytes(bytes(range(256)) * 400)
     (store / "broken_truncated.mar").write_bytes(source[: len(source) // 2])
-    reasons = {"broken_corrupt": None, "broken_truncated": None,
-               "broken_torch": "package was built with torch 1.0.0", "broken_device": "package was built for cuda"}
+    reasons = {
+        "broken_corrupt": None,
+        "broken_truncated": None,
+        "broken_torch": "package was built with torch 1.0.0",
+        "broken_device": "package was built for cuda",
+    }
     for name, change in (("broken_torch", {"versions": {"torch": "1.0.0"}}), ("broken_device", {"device": "cuda"})):
+
         def edit(data: bytes, change=change) -> bytes:
             manifest = json.loads(data)
             manifest.update({k: {**manifest[k], **v} if isinstance(v, dict) else v for k, v in change.items()})
@@ -217,8 +232,11 @@ def test_broken_archives_fail_to_register_with_the_reason_logged_and_no_crash_lo
         copy_archive(store / "tiny_score.mar", store / f"{name}.mar", "manifest.json", edit)
     for name, reason in reasons.items():
         start = time.monotonic()
-        status, body = http("POST", f"{server.management}/models?url={name}.mar&model_name={name}"
-                                    "&initial_workers=1&synchronous=true", timeout=120)
+        status, body = http(
+            "POST",
+            f"{server.management}/models?url={name}.mar&model_name={name}&initial_workers=1&synchronous=true",
+            timeout=120,
+        )
         assert 400 <= status < 600 and time.monotonic() - start < 60, (name, status, body)
         assert json.loads(body)["message"], body
         registered = [m["modelName"] for m in json.loads(http("GET", f"{server.management}/models")[1])["models"]]
@@ -246,8 +264,9 @@ def test_a_worker_killed_under_load_comes_back_and_no_request_hangs(server, arch
         while not stop.is_set():
             sent = time.monotonic()
             try:
-                status, body = http("POST", url, json.dumps({"texts": texts}).encode(),
-                                    {"Content-Type": "application/json"}, timeout=60)
+                status, body = http(
+                    "POST", url, json.dumps({"texts": texts}).encode(), {"Content-Type": "application/json"}, timeout=60
+                )
             except OSError as e:  # a connection TorchServe dropped counts as an error, a timeout as a hang
                 status, body = 0, repr(e).encode()
             results.append((sent, time.monotonic(), status, body))
@@ -290,9 +309,11 @@ def test_a_worker_killed_under_load_comes_back_and_no_request_hangs(server, arch
     after = [r for r in results if r[0] > back]
     assert after and all(status == 200 for _, _, status, _ in after), after[:3]
     first_ok = min(done for sent, done, status, _ in results if status == 200 and sent > killed)
-    print(f"\nkill -9 under load: {len(results)} requests, {len(errors)} errors {sorted({s for s, _ in errors})}, "
-          f"new worker READY after {back - killed:.1f} s, first answer after the kill at {first_ok - killed:.1f} s, "
-          f"slowest request {max(d - s for s, d, _, _ in results):.1f} s")
+    print(
+        f"\nkill -9 under load: {len(results)} requests, {len(errors)} errors {sorted({s for s, _ in errors})}, "
+        f"new worker READY after {back - killed:.1f} s, first answer after the kill at {first_ok - killed:.1f} s, "
+        f"slowest request {max(d - s for s, d, _, _ in results):.1f} s"
+    )
 
 
 def test_overload_and_soak_short_versions(server):
@@ -305,8 +326,9 @@ def test_overload_and_soak_short_versions(server):
 
     url = f"{server.inference}/predictions/tiny_score"
     bodies = [p.body for p in valid_requests("score", 8, random.Random(3), 20)]
-    result = overload(url, server.management, "tiny_score", bodies, capacity=30, seconds=3, settle=2,
-                      deadline_ms=60_000)
+    result = overload(
+        url, server.management, "tiny_score", bodies, capacity=30, seconds=3, settle=2, deadline_ms=60_000
+    )
     print(f"\noverload, short: {json.dumps(result)}")
     for phase in ("before", "burst", "after"):
         assert result[phase]["other_statuses"] == {}, result[phase]
@@ -338,8 +360,9 @@ def test_the_kill_step_records_what_a_killed_worker_loses(server, archives):
     try:
         url = f"{server.inference}/predictions/tiny_kill2"
         bodies = [p.body for p in valid_requests("score", 8, random.Random(4), 20)]
-        result = fault(url, server.management, "tiny_kill2", bodies, capacity=10, inject=kill_worker, seconds=30,
-                       lead=3)
+        result = fault(
+            url, server.management, "tiny_kill2", bodies, capacity=10, inject=kill_worker, seconds=30, lead=3
+        )
     finally:
         http("DELETE", f"{server.management}/models/tiny_kill2")
     print(f"\nkill step, short: {json.dumps(result)}")
@@ -377,8 +400,13 @@ def test_scaling_down_under_traffic_loses_at_most_the_stopped_workers_call(serve
         while not stop.is_set():
             sent = time.monotonic()
             try:
-                status = http("POST", url, b'{"texts": ["cheap flights", "rome"]}', {"Content-Type": "application/json"},
-                              timeout=30)[0]
+                status = http(
+                    "POST",
+                    url,
+                    b'{"texts": ["cheap flights", "rome"]}',
+                    {"Content-Type": "application/json"},
+                    timeout=30,
+                )[0]
             except OSError:
                 status = 0
                 unanswered.append(time.monotonic() - sent)
@@ -404,8 +432,10 @@ def test_scaling_down_under_traffic_loses_at_most_the_stopped_workers_call(serve
             t.join(90)
         http("DELETE", f"{server.management}/models/tiny_scale2")
     failed = [s for _, s in statuses if s != 200]
-    print(f"\nscale-down 2 -> 1 under traffic: {len(statuses)} requests, {len(failed)} failed {sorted(set(failed))}; "
-          f"{sum(t > scaled for t, _ in statuses)} after it")
+    print(
+        f"\nscale-down 2 -> 1 under traffic: {len(statuses)} requests, {len(failed)} failed {sorted(set(failed))}; "
+        f"{sum(t > scaled for t, _ in statuses)} after it"
+    )
     assert not any(t.is_alive() for t in threads)
     assert len(workers) == 1
     # the stopped worker's call: 500 or 507 (worker died), or no answer (status 0: the connection
@@ -422,13 +452,18 @@ def test_a_request_past_its_deadline_gets_a_504_through_torchserve(server):
     body = b'{"texts": ["search engines"]}'
     arrived = f"t={time.time() - 1.5:.6f}"
     start = time.perf_counter()
-    status, answer = http("POST", url, body, {"Content-Type": "application/json", "X-Request-Start": arrived,
-                                              "X-Slm-Deadline-Ms": "500"})
+    status, answer = http(
+        "POST", url, body, {"Content-Type": "application/json", "X-Request-Start": arrived, "X-Slm-Deadline-Ms": "500"}
+    )
     assert status == 504, answer
     assert re.search(r"deadline of 500 ms: waited 1[5-9][0-9]{2}\.[0-9] ms", json.loads(answer)["error"]), answer
     assert time.perf_counter() - start < 5
-    status, _ = http("POST", url, body, {"Content-Type": "application/json", "X-Request-Start": arrived,
-                                         "X-Slm-Deadline-Ms": "60000"})
+    status, _ = http(
+        "POST",
+        url,
+        body,
+        {"Content-Type": "application/json", "X-Request-Start": arrived, "X-Slm-Deadline-Ms": "60000"},
+    )
     assert status == 200
     status, answer = http("POST", url, body, {"Content-Type": "application/json", "X-Slm-Deadline-Ms": "soon"})
     assert status == 400 and "X-Slm-Deadline-Ms must be a positive number" in json.loads(answer)["error"]

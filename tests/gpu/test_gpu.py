@@ -5,16 +5,21 @@ import copy
 
 import pytest
 import torch
-
 from helpers import engine_for, hf_score, text_ids
+
+from slm_core import Engine
 from slm_core.compile.checkpoint import load_checkpoint
 from slm_core.compile.checks import GateThresholds, fp8_gate
 from slm_core.compile.export import compile_package, export_graph
 from slm_core.spec import RuntimeSpec
-from slm_core import Engine
 
-RANDOM_TEXTS = ["search", "a small language model scores texts", "is this query about shopping?",
-                "the lazy dog " * 12, "12, 345 and 6789"]
+RANDOM_TEXTS = [
+    "search",
+    "a small language model scores texts",
+    "is this query about shopping?",
+    "the lazy dog " * 12,
+    "12, 345 and 6789",
+]
 
 pytestmark = pytest.mark.gpu
 
@@ -62,26 +67,37 @@ def test_cuda_bf16_score_and_beam(random_checkpoint, arch):
     # than transformers' own bf16 forward is: the search and its scores are right.
     fp32_logprob = [sequence_logprob(hf, prompt_ids, c["token_ids"]) for c in gpu_beams]
     ours_err = max(abs(c["score"] - lp) for c, lp in zip(gpu_beams, fp32_logprob))
-    hf_err = max(abs(sequence_logprob(hf_bf16, prompt_ids, c["token_ids"]) - lp) for c, lp in zip(gpu_beams, fp32_logprob))
+    hf_err = max(
+        abs(sequence_logprob(hf_bf16, prompt_ids, c["token_ids"]) - lp) for c, lp in zip(gpu_beams, fp32_logprob)
+    )
     shared = {tuple(c["token_ids"]) for c in gpu_beams} & {tuple(c["token_ids"]) for c in cpu_beams}
-    print(f"[{arch}] beam W=16: {len(shared)}/16 candidates shared with cpu fp32; max |score - fp32 log-prob|: "
-          f"ours bf16 {ours_err:.4f}, transformers bf16 {hf_err:.4f}")
+    print(
+        f"[{arch}] beam W=16: {len(shared)}/16 candidates shared with cpu fp32; max |score - fp32 log-prob|: "
+        f"ours bf16 {ours_err:.4f}, transformers bf16 {hf_err:.4f}"
+    )
     assert ours_err <= 2 * hf_err + 0.02
     assert len(shared) >= 10
 
 
 def test_cuda_export(random_checkpoint):
     ckpt = load_checkpoint(random_checkpoint("qwen3")[0])
-    for task in (dict(task="score", labels=["yes", "no"], max_texts=4, max_text_tokens=32),
-                 dict(task="beam", beam_width=8, new_tokens=3, max_prompt_tokens=32)):
+    for task in (
+        dict(task="score", labels=["yes", "no"], max_texts=4, max_text_tokens=32),
+        dict(task="beam", beam_width=8, new_tokens=3, max_prompt_tokens=32),
+    ):
         eng = engine_for(ckpt, RuntimeSpec("cuda", "reference"), **task, precision="bf16")
         program = export_graph(eng.graph, eng.task).module()
         ids = torch.randint(0, ckpt.spec.vocab_size, (9,), dtype=torch.int32, device="cuda")
         cu = [0, 2, 9] if task["task"] == "score" else [0, 9]
         options = [eng.task.options(eng.task.request_of(["x"]))] if eng.task.option_columns else []
-        args = (ids, torch.tensor(cu, dtype=torch.int32, device="cuda"),
-                *[torch.tensor(options, dtype=torch.int32, device="cuda")] * bool(options))
-        for a, b in zip(torch.utils._pytree.tree_leaves(program(*args)), torch.utils._pytree.tree_leaves(eng.graph(*args))):
+        args = (
+            ids,
+            torch.tensor(cu, dtype=torch.int32, device="cuda"),
+            *[torch.tensor(options, dtype=torch.int32, device="cuda")] * bool(options),
+        )
+        for a, b in zip(
+            torch.utils._pytree.tree_leaves(program(*args)), torch.utils._pytree.tree_leaves(eng.graph(*args))
+        ):
             assert torch.equal(a, b)
 
 
@@ -102,14 +118,32 @@ def test_cuda_archive_serves_through_torchserve(random_checkpoint, tmp_path):
     task = dict(task="score", labels=["yes", "no"], max_texts=8, max_text_tokens=64, precision="bf16")
     (tmp_path / "task.yaml").write_text(yaml.safe_dump(task))
     store = tmp_path / "store"
-    assert main(["build", "--checkpoint", str(folder), "--task", str(tmp_path / "task.yaml"), "--model-name",
-                 "gpu_score", "--export-path", str(store), "--device", "cuda"]) == 0
+    assert (
+        main(
+            [
+                "build",
+                "--checkpoint",
+                str(folder),
+                "--task",
+                str(tmp_path / "task.yaml"),
+                "--model-name",
+                "gpu_score",
+                "--export-path",
+                str(store),
+                "--device",
+                "cuda",
+            ]
+        )
+        == 0
+    )
     unpacked = tmp_path / "unpacked"
     zipfile.ZipFile(store / "gpu_score.mar").extractall(unpacked)
     manifest = json.loads((unpacked / MANIFEST).read_text())
     config = yaml.safe_load((unpacked / "model-config.yaml").read_text())
     assert config["minWorkers"] == config["maxWorkers"] == 2 and config["batchSize"] == 2  # max_batch 4 (CUDA default)
-    assert manifest["device"] == "cuda" and manifest["versions"]["capability"] == list(torch.cuda.get_device_capability())
+    assert manifest["device"] == "cuda" and manifest["versions"]["capability"] == list(
+        torch.cuda.get_device_capability()
+    )
     assert manifest["kernels"] == "triton" and manifest["task"]["max_batch"] == 4  # the CUDA defaults
     compiled = load_package(unpacked, gpu_id=0, engine=Engine)
     assert compiled.device == torch.device("cuda", 0)
@@ -157,13 +191,16 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
-@pytest.mark.parametrize("lengths, heads", [
-    ([1], (16, 8, 128)),  # one sequence of one token
-    ([512], (14, 2, 64)),  # the max bound, one sequence
-    ([160] * 15, (16, 8, 128)),  # W1 at its upper bound
-    ([2] * 64, (14, 2, 64)),  # 64 sequences
-    (list(range(16, 513, 33)), (9, 3, 64)),  # lengths 16..511, SmolLM2 heads
-])
+@pytest.mark.parametrize(
+    "lengths, heads",
+    [
+        ([1], (16, 8, 128)),  # one sequence of one token
+        ([512], (14, 2, 64)),  # the max bound, one sequence
+        ([160] * 15, (16, 8, 128)),  # W1 at its upper bound
+        ([2] * 64, (14, 2, 64)),  # 64 sequences
+        (list(range(16, 513, 33)), (9, 3, 64)),  # lengths 16..511, SmolLM2 heads
+    ],
+)
 def test_packed_attention_bf16_full_size(lengths, heads):
     from slm_kernels.attention_ref import packed_attention_ref
     from slm_kernels.packed_attention import packed_attention
@@ -179,8 +216,9 @@ def test_packed_attention_bf16_full_size(lengths, heads):
     assert err <= 1e-2
 
 
-@pytest.mark.parametrize("w, lp, heads", [(1, 1, (16, 8, 128)), (100, 448, (14, 2, 64)), (400, 512, (9, 3, 64)),
-                                          (400, 100, (16, 8, 128))])
+@pytest.mark.parametrize(
+    "w, lp, heads", [(1, 1, (16, 8, 128)), (100, 448, (14, 2, 64)), (400, 512, (9, 3, 64)), (400, 100, (16, 8, 128))]
+)
 @pytest.mark.parametrize("s", [1, 2, 3, 4, 5])
 def test_prefix_suffix_attention_bf16_full_size(w, lp, heads, s):
     from slm_kernels.attention_ref import prefix_suffix_attention_ref
@@ -193,7 +231,9 @@ def test_prefix_suffix_attention_bf16_full_size(w, lp, heads, s):
     ks, vs = torch.randn(w, s, hkv, d, device="cuda"), torch.randn(w, s, hkv, d, device="cuda")
     bf = [x.bfloat16() for x in (q, kp, vp, ks, vs)]
     cu = torch.tensor([0, lp], dtype=torch.int32, device="cuda")
-    err = rel_err(prefix_suffix_attention(*bf, d**-0.5, cu), prefix_suffix_attention_ref(q, kp, vp, ks, vs, d**-0.5, cu))
+    err = rel_err(
+        prefix_suffix_attention(*bf, d**-0.5, cu), prefix_suffix_attention_ref(q, kp, vp, ks, vs, d**-0.5, cu)
+    )
     print(f"\nprefix W={w} Lp={lp} Ls={s} heads {heads}: rel err {err:.1e}")
     assert err <= 1e-2
 
@@ -213,13 +253,15 @@ def test_prefix_suffix_attention_bf16_several_prompts():
     assert err <= 1e-2
 
 
-@pytest.mark.parametrize("t, heads, norm", [(1640, (16, 8, 128), True), (800, (14, 2, 64), False),
-                                            (400, (9, 3, 64), False), (1, (16, 8, 128), True)])
+@pytest.mark.parametrize(
+    "t, heads, norm",
+    [(1640, (16, 8, 128), True), (800, (14, 2, 64), False), (400, (9, 3, 64), False), (1, (16, 8, 128), True)],
+)
 def test_qkv_rope_bf16_full_size(t, heads, norm):
     """W1 prefill (Qwen3, QK-norm), W2 decode rows (Qwen2.5), SmolLM2 heads, one token: bf16 kernel
     against the fp32 reference, and within bf16 rounding of the bf16 reference (transformers')."""
-    from slm_kernels.qkv_rope import qkv_rope
     from slm_kernels.layer_ref import qkv_rope_ref
+    from slm_kernels.qkv_rope import qkv_rope
 
     hq, hkv, d = heads
     torch.manual_seed(t)
@@ -249,7 +291,7 @@ def test_silu_mul_bf16_full_size(t, inner):
     got = silu_mul(x.bfloat16())
     want = silu_mul_ref(x.bfloat16()).float()
     assert got.dtype == torch.bfloat16 and got.shape == (t, inner)
-    assert ((got.float() - want).abs() <= 2 ** -6 * want.abs() + 1e-6).all()  # a rounding or two
+    assert ((got.float() - want).abs() <= 2**-6 * want.abs() + 1e-6).all()  # a rounding or two
     assert rel_err(got, silu_mul_ref(x.bfloat16().float())) <= 1e-2
 
 
@@ -265,15 +307,15 @@ def test_silu_mul_static_bf16_full_size(t, inner):
     q, rq = silu_mul_static(x, scale), silu_mul_static_ref(x, scale)
     assert q.dtype == torch.float8_e4m3fn and q.shape == (t, inner)
     got, want = q.float() * scale, rq.float() * scale
-    assert ((got - want).abs() <= want.abs() / 8 + scale * 2 ** -9).all()
+    assert ((got - want).abs() <= want.abs() / 8 + scale * 2**-9).all()
 
 
 def test_fp8_static_graphs_bf16_on_cuda(random_checkpoint):
     """fp8-static (per-tensor E4M3 qkv and MLP, input scales calibrated at build) with the Triton
     kernels: StaticFp8Linear at the W1 gate/up shape is the product of its operands on cuBLAS; the
     score and beam graphs pass the accuracy gate against bf16 and export."""
-    from slm_kernels.layer_ref import quantize_static_ref
     from slm_core.compile.fp8 import StaticFp8Linear
+    from slm_kernels.layer_ref import quantize_static_ref
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(1024, 6144, device="cuda").bfloat16()
@@ -282,8 +324,10 @@ def test_fp8_static_graphs_bf16_on_cuda(random_checkpoint):
     want = (qx.float() * fp8.input_scale) @ (fp8.weight.float() * fp8.weight_scale).t() + linear.bias.float()
     assert rel_err(fp8(x), want) <= 1e-2
     ckpt = load_checkpoint(random_checkpoint("qwen3")[0])
-    for task in (dict(task="score", labels=["yes", "no"], max_texts=4, max_text_tokens=32),
-                 dict(task="beam", beam_width=16, new_tokens=4, max_prompt_tokens=32)):
+    for task in (
+        dict(task="score", labels=["yes", "no"], max_texts=4, max_text_tokens=32),
+        dict(task="beam", beam_width=16, new_tokens=4, max_prompt_tokens=32),
+    ):
         quant = engine_for(ckpt, "cuda", **task, precision="fp8-static")
         gate = fp8_gate(engine_for(ckpt, "cuda", **task, precision="bf16"), quant, GateThresholds(0.1, 0.5))
         print(f"\nfp8-static {task['task']}: {gate}")
@@ -356,16 +400,41 @@ def test_two_gpus_one_package_workers_on_each(random_checkpoint, tmp_path):
     task = dict(task="score", labels=["yes", "no"], max_texts=8, max_text_tokens=64, precision="bf16")
     (tmp_path / "task.yaml").write_text(yaml.safe_dump(task))
     store = tmp_path / "store"
-    assert main(["build", "--checkpoint", str(folder), "--task", str(tmp_path / "task.yaml"), "--model-name", "two",
-                 "--export-path", str(store), "--device", "cuda", "--workers", "2", "--device-ids", "0,1"]) == 0
+    assert (
+        main(
+            [
+                "build",
+                "--checkpoint",
+                str(folder),
+                "--task",
+                str(tmp_path / "task.yaml"),
+                "--model-name",
+                "two",
+                "--export-path",
+                str(store),
+                "--device",
+                "cuda",
+                "--workers",
+                "2",
+                "--device-ids",
+                "0,1",
+            ]
+        )
+        == 0
+    )
     unpacked = tmp_path / "unpacked"
     zipfile.ZipFile(store / "two.mar").extractall(unpacked)
     assert yaml.safe_load((unpacked / "model-config.yaml").read_text())["deviceIds"] == [0, 1]
     on_first = load_package(unpacked, gpu_id=0, engine=Engine).score(RANDOM_TEXTS)
 
     repo = Path(__file__).resolve().parents[2]
-    run = subprocess.run([sys.executable, "-c", SECOND_GPU, str(unpacked), json.dumps(RANDOM_TEXTS)], cwd=repo,
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", SECOND_GPU, str(unpacked), json.dumps(RANDOM_TEXTS)],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     second = json.loads(run.stdout.strip().splitlines()[-1])
     assert second["device"] == "cuda:1" and second["current"] == 1 and second["replayed"] >= 1  # captured at load
@@ -397,6 +466,7 @@ def test_cuda_catalog_beam_triton_and_export(random_checkpoint, tmp_path):
     import random
 
     from helpers import write_catalog
+
     from slm_core.compile.checks import check_compiled
 
     ckpt = load_checkpoint(random_checkpoint("qwen2")[0])
@@ -404,8 +474,14 @@ def test_cuda_catalog_beam_triton_and_export(random_checkpoint, tmp_path):
     items = sorted({(rng.randrange(10, 60), rng.randrange(60, 110), rng.randrange(110, 160)) for _ in range(400)})
     write_catalog(tmp_path / "c.jsonl", [list(i) for i in items])
     for scores in ("vocab", "catalog"):
-        task = dict(task="beam", beam_width=16, new_tokens=3, precision="bf16", catalog=str(tmp_path / "c.jsonl"),
-                    catalog_scores=scores)
+        task = dict(
+            task="beam",
+            beam_width=16,
+            new_tokens=3,
+            precision="bf16",
+            catalog=str(tmp_path / "c.jsonl"),
+            catalog_scores=scores,
+        )
         ref = engine_for(ckpt, RuntimeSpec("cuda", "reference"), **task).run_one("a small language model")
         tri = engine_for(ckpt, "cuda", **task)
         got = tri.run_one("a small language model")

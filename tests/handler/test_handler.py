@@ -12,9 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from mock_ts import MockContext
 
 from handlers.slm_handler import SlmHandler, workers_share_a_gpu
-from mock_ts import MockContext
 from slm_core import Engine, SpecError
 from slm_core.manifest import MANIFEST
 from slm_core.serve.loader import load_package
@@ -24,8 +24,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_a_batch_of_good_and_bad_requests_gets_an_answer_each(archives):
-    ctx = MockContext(archives["tiny_score"], ServingSpec("cpu", 1, 3, 30).model_config(),
-                      [{}, {}, {}, {}, {}, {"Content-Encoding": "gzip"}])
+    ctx = MockContext(
+        archives["tiny_score"],
+        ServingSpec("cpu", 1, 3, 30).model_config(),
+        [{}, {}, {}, {}, {}, {"Content-Encoding": "gzip"}],
+    )
     handler = SlmHandler()
     handler.initialize(ctx)
     assert os.environ["TS_DECODE_INPUT_REQUEST"] == "false"  # bodies reach the handler undecoded
@@ -64,8 +67,9 @@ def test_a_describe_request_gets_the_description_and_its_batch_peers_their_answe
     """describe-model ?customized=true comes as a request with TorchServe's describe header; in a
     batch beside a prediction, each gets its own reply, and the description counts as no refusal."""
     rest = {"Content-Length": "20"}
-    ctx = MockContext(archives["tiny_score"], ServingSpec("cpu", 1, 3, 30).model_config(),
-                      [{**rest, "describe": "True"}, rest])
+    ctx = MockContext(
+        archives["tiny_score"], ServingSpec("cpu", 1, 3, 30).model_config(), [{**rest, "describe": "True"}, rest]
+    )
     handler = SlmHandler()
     handler.initialize(ctx)
     out = handler.handle([{"body": b""}, {"body": b'{"texts": ["a"]}'}], ctx)
@@ -105,13 +109,17 @@ def test_a_request_past_its_deadline_is_refused_before_the_graph(archives):
     """X-Slm-Deadline-Ms: a request that its call cannot answer in time gets a 504 naming the
     deadline and is not computed (no X-Slm headers, no texts counted); the others in its batch are
     answered; the refusal is counted by status."""
-    ctx = MockContext(archives["tiny_score"], ServingSpec("cpu", 1, 3, 30).model_config(),
-                      [{"X-Slm-Deadline-Ms": "0.001"}, {}, {"X-Slm-Deadline-Ms": "60000"}])
+    ctx = MockContext(
+        archives["tiny_score"],
+        ServingSpec("cpu", 1, 3, 30).model_config(),
+        [{"X-Slm-Deadline-Ms": "0.001"}, {}, {"X-Slm-Deadline-Ms": "60000"}],
+    )
     handler = SlmHandler()
     handler.initialize(ctx)
     assert handler.deadlines.default_ms is None and handler.deadlines.call_ms  # a CPU build: the build's timings
-    out = handler.handle([{"body": b'{"texts": ["late"]}'}, {"body": b'{"texts": ["a"]}'},
-                          {"body": b'{"texts": ["b"]}'}], ctx)
+    out = handler.handle(
+        [{"body": b'{"texts": ["late"]}'}, {"body": b'{"texts": ["a"]}'}, {"body": b'{"texts": ["b"]}'}], ctx
+    )
     assert [ctx.status[i][0] for i in range(3)] == [504, 200, 200]
     assert "deadline of 0.001 ms" in json.loads(out[0])["error"] and "X-Slm-Graph-Ms" not in ctx.headers.get(0, {})
     assert ctx.headers[1]["X-Slm-Batch"] == "2" and ctx.counters["SlmTexts"] == 2
@@ -122,7 +130,8 @@ SERVE_WITHOUT_BUILD = """
 import importlib.abc, json, sys
 class Refuse(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("slm_kernels", "transformers", "gguf") or name.startswith(("slm_core.compile", "slm_core.api")):
+        build_time = name.split(".")[0] in ("slm_kernels", "transformers", "gguf")
+        if build_time or name.startswith(("slm_core.compile", "slm_core.api")):
             raise ImportError(f"{name} is build-time: a worker must not import it")
 sys.meta_path.insert(0, Refuse())
 model_dir, tests = sys.argv[1], sys.argv[2]
@@ -143,8 +152,14 @@ def test_a_worker_serves_with_the_build_time_modules_unimportable(archives, tmp_
     a request while slm_core.compile, slm_core.api, slm_kernels, transformers and gguf cannot be
     imported (the compiled graph replaces the Python model); the answer equals the package's."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    run = subprocess.run([sys.executable, "-c", SERVE_WITHOUT_BUILD, str(archives["tiny_beam"]),
-                          str(REPO / "tests")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", SERVE_WITHOUT_BUILD, str(archives["tiny_beam"]), str(REPO / "tests")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     served = json.loads(run.stdout.splitlines()[-1])
     assert served["status"] == 200
@@ -180,12 +195,24 @@ class FakeCuda:
         monkeypatch.setattr(torch.cuda, "set_device", lambda d: self.record("set_device", d))
         monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 0)
         monkeypatch.setattr(loader, "load_graph", lambda path, **kw: self.record("load", kw) or "graph")
-        monkeypatch.setattr(loader, "CudaGraphs", lambda graph, task, device, constants: self.record("replay", device) or
-                            SimpleNamespace(graphs={}, capture_s=0.0, capture=lambda stream: self.record("capture", stream)))
-        monkeypatch.setattr(loader, "Engine", lambda graph, task, device, replay=None:
-                            self.record("engine", (graph, device)) or
-                            SimpleNamespace(task=task, device=device, constants=(),
-                                            context=SimpleNamespace(replay=replay, stream="s")))
+        monkeypatch.setattr(
+            loader,
+            "CudaGraphs",
+            lambda graph, task, device, constants: (
+                self.record("replay", device)
+                or SimpleNamespace(graphs={}, capture_s=0.0, capture=lambda stream: self.record("capture", stream))
+            ),
+        )
+        monkeypatch.setattr(
+            loader,
+            "Engine",
+            lambda graph, task, device, replay=None: (
+                self.record("engine", (graph, device))
+                or SimpleNamespace(
+                    task=task, device=device, constants=(), context=SimpleNamespace(replay=replay, stream="s")
+                )
+            ),
+        )
 
     def record(self, what, arg):
         self.calls.append((what, arg))
@@ -203,14 +230,21 @@ def test_worker_places_everything_on_its_gpu(archives, tmp_path, monkeypatch, gp
     handler.initialize(ctx)
     device = torch.device("cuda", index)
     assert handler.engine.device == device
-    assert cuda.calls == [("set_device", device), ("capability", device),
-                          ("load", {"run_single_threaded": True, "device_index": index}),
-                          ("engine", ("graph", device)), ("replay", device), ("capture", "s")]
+    assert cuda.calls == [
+        ("set_device", device),
+        ("capability", device),
+        ("load", {"run_single_threaded": True, "device_index": index}),
+        ("engine", ("graph", device)),
+        ("replay", device),
+        ("capture", "s"),
+    ]
 
 
 def test_worker_without_cuda_graphs_loads_the_runner_for_several_threads(archives, tmp_path, monkeypatch):
     cuda = FakeCuda(monkeypatch)
-    ctx = MockContext(_as_cuda_package(archives, tmp_path), ServingSpec("cuda", 1, 2, 8, cuda_graphs=False).model_config())
+    ctx = MockContext(
+        _as_cuda_package(archives, tmp_path), ServingSpec("cuda", 1, 2, 8, cuda_graphs=False).model_config()
+    )
     SlmHandler().initialize(ctx)
     assert ("load", {"run_single_threaded": False, "device_index": 0}) in cuda.calls
     assert not [c for c in cuda.calls if c[0] in ("replay", "capture")]
@@ -251,6 +285,7 @@ def test_mps_running_finds_the_control_daemon_by_its_program(tmp_path):
 def test_workers_share_a_gpu_counts_the_gpus_they_are_dealt_to():
     """The handler's MPS warning is for workers that share a GPU: more of them than GPUs, the
     archive's deviceIds when it names some, else the host's."""
+
     def spec(workers, ids=()):
         return ServingSpec("cuda", workers, 1, 1, device_ids=ids)
 

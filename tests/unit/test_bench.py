@@ -45,24 +45,47 @@ def test_cpu_path_times_the_handlers_work_around_a_stub_graph(smollm2, tmp_path,
     from slm_core.tasks import task_for
 
     smollm2[1].tokenizer.save(str(tmp_path / "tokenizer.json"))
-    monkeypatch.setattr(sys, "argv", ["cpu_path", "--tokenizer", str(tmp_path / "tokenizer.json"),
-                                      "--workloads", "W2,W1,W1e", "--batches", "1,2", "--calls", "2"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "cpu_path",
+            "--tokenizer",
+            str(tmp_path / "tokenizer.json"),
+            "--workloads",
+            "W2,W1,W1e",
+            "--batches",
+            "1,2",
+            "--calls",
+            "2",
+        ],
+    )
     cpu_path.main()
     threads, *lines = capsys.readouterr().out.splitlines()
     assert threads == f"tokenizer threads: {cpu_path.tokenizer_threads()}"
-    assert [l.split(":")[0] for l in lines] == [f"{w} batch of {b}" for w in ("W2", "W1", "W1e") for b in (1, 2)]
-    assert all(float(l.split(": ")[1].split()[0]) > 0 for l in lines)
+    assert [line.split(":")[0] for line in lines] == [f"{w} batch of {b}" for w in ("W2", "W1", "W1e") for b in (1, 2)]
+    assert all(float(line.split(": ")[1].split()[0]) > 0 for line in lines)
     tokenizer = smollm2[1].tokenizer
     task = task_for(TaskSpec.from_dict({**WORKLOADS["W2"].task, "max_batch": 2}), tokenizer)
     engine = cpu_path.Engine(cpu_path.StubGraph(task, tokenizer.get_vocab_size(), 896), task, "cpu")
-    replies = respond_batch(engine, [Request({"body": b'{"prompt": "a question"}'}), Request({"body": b'{"prompt": 3}'})])
+    replies = respond_batch(
+        engine, [Request({"body": b'{"prompt": "a question"}'}), Request({"body": b'{"prompt": 3}'})]
+    )
     assert [r.status for r in replies] == [200, 400] and len(json.loads(replies[0].body)["candidates"]) == 100
 
 
 def test_flops_by_hand():
-    spec = ModelSpec.from_hf_config(dict(model_type="llama", hidden_size=8, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1, intermediate_size=16,
-                                         vocab_size=100))
+    spec = ModelSpec.from_hf_config(
+        dict(
+            model_type="llama",
+            hidden_size=8,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            intermediate_size=16,
+            vocab_size=100,
+        )
+    )
     # per layer: qkv 8*(8+4+4) + o 8*8 + gate_up 8*32 + down 16*8 = 128+64+256+128 = 576 MACs
     assert counts.linear_flops_per_token(spec) == 2 * 576 * 2
     # texts of 3 and 1 tokens: 4 tokens, 6 + 1 causal pairs in the first layer; the last layer's o and
@@ -91,8 +114,9 @@ def test_deployments_are_configured_by_the_archiver():
     d = Deployment("slm", "n_x2", "n_x2.mar", workers=2, batch=8, built="n.mar")
     assert deployment_options(d, "cuda") == ServingOptions(workers=2, response_timeout_s=600, device_ids=(0,))
     spread = Deployment("slm", "n_g2_x4", "n_g2_x4.mar", workers=4, batch=8, gpus=2, cuda_graphs=False)
-    assert deployment_options(spread, "cuda") == ServingOptions(4, response_timeout_s=600, device_ids=(0, 1),
-                                                                cuda_graphs=False)
+    assert deployment_options(spread, "cuda") == ServingOptions(
+        4, response_timeout_s=600, device_ids=(0, 1), cuda_graphs=False
+    )
     assert deployment_options(d, "cpu").device_ids == ()
 
 
@@ -115,8 +139,9 @@ def test_fp8_archives_are_built_whatever_their_gate_says(tmp_path):
     from bench.run import gate_passes, slm_build
 
     def argv(precision):
-        return slm_build(f"m_{precision}", tmp_path / "ckpt", {"task": "beam", "precision": precision}, tmp_path,
-                         "cuda", tmp_path)
+        return slm_build(
+            f"m_{precision}", tmp_path / "ckpt", {"task": "beam", "precision": precision}, tmp_path, "cuda", tmp_path
+        )
 
     assert argv("fp8-static")[-4:] == ["--fp8-max-diff", "1", "--fp8-min-shared", "0"]
     assert "--fp8-min-shared" not in argv("bf16") and argv("bf16")[-2:] == ["--device-ids", "0"]
@@ -131,7 +156,8 @@ def test_report_labels_name_each_build_and_serving_option():
     assert label({**base, "workers": 4, "gpus": 2}) == "slm (triton, ×4 workers, 2 GPUs, batch 8)"
     assert label({"system": "hf", "workers": 4}) == "hf"
     assert label({**base, "precision": "fp8-static", "fp8_gate_passes": False}) == (
-        "slm (triton, batch 8, FP8 qkv + MLP, static scales, fails the FP8 accuracy gate)")
+        "slm (triton, batch 8, FP8 qkv + MLP, static scales, fails the FP8 accuracy gate)"
+    )
     assert label({**base, "precision": "bf16"}) == "slm (triton, batch 8)"
     old = {k: v for k, v in base.items() if k != "kernels"}
     assert label({**old, "attention": "triton"}) == "slm (triton, batch 8)"  # records from before "kernels"
@@ -188,8 +214,15 @@ def test_loadgen_averages_the_handler_headers_and_keeps_the_first_refusal():
     assert (point.handler_ms, point.graph_ms, point.call_batch) == (3.0, 2.0, 2.0)
 
 
-@pytest.mark.parametrize("capacity, expected", [(7, [1, 2, 3, 4, 6, 8, 12, 7]), (13, [1, 2, 3, 4, 6, 8, 12, 16, 24, 14, 13]),
-                                                (0, [1, 2, 3]), (100, [1, 2, 3, 4, 6, 8, 12])])
+@pytest.mark.parametrize(
+    "capacity, expected",
+    [
+        (7, [1, 2, 3, 4, 6, 8, 12, 7]),
+        (13, [1, 2, 3, 4, 6, 8, 12, 16, 24, 14, 13]),
+        (0, [1, 2, 3]),
+        (100, [1, 2, 3, 4, 6, 8, 12]),
+    ],
+)
 def test_the_sweep_bisects_between_the_last_level_that_met_the_slo_and_the_next(monkeypatch, capacity, expected):
     """A grid of levels then bisection: a server meeting the SLO up to `capacity` requests in
     flight is measured at exactly that concurrency; none met, or none missed, bisects nothing."""
@@ -201,8 +234,14 @@ def test_the_sweep_bisects_between_the_last_level_that_met_the_slo_and_the_next(
 
     monkeypatch.setattr(loadgen, "measure", measure)
     seen = []
-    points = loadgen.sweep("url", [b"{}"], [1, 2, 3, 4, 6, 8, 12, 16, 24][: len(expected) if capacity == 100 else None],
-                           0.0, 1.0, on_point=lambda p: seen.append(p.concurrency))
+    points = loadgen.sweep(
+        "url",
+        [b"{}"],
+        [1, 2, 3, 4, 6, 8, 12, 16, 24][: len(expected) if capacity == 100 else None],
+        0.0,
+        1.0,
+        on_point=lambda p: seen.append(p.concurrency),
+    )
     assert [p.concurrency for p in points] == seen == expected
     met = [p.concurrency for p in points if p.meets_slo()]
     assert max(met, default=0) == min(capacity, max(expected))
@@ -224,11 +263,17 @@ def test_the_open_loop_sends_every_phase_on_schedule_from_several_processes():
 
     started: list[float] = []
     with stand_in_server(respond) as url:
-        records = open_loop(url, [b"0", b"1", b"2", b"3"], [(20, 1.0), (40, 0.5)], processes=3,
-                            on_start=lambda: started.append(time.perf_counter()))
+        records = open_loop(
+            url,
+            [b"0", b"1", b"2", b"3"],
+            [(20, 1.0), (40, 0.5)],
+            processes=3,
+            on_start=lambda: started.append(time.perf_counter()),
+        )
         took = time.perf_counter() - started[0]
-    assert [round(r.sent, 6) for r in records] == [round(i / 20, 6) for i in range(20)] + \
-        [round(1 + i / 40, 6) for i in range(20)]
+    assert [round(r.sent, 6) for r in records] == [round(i / 20, 6) for i in range(20)] + [
+        round(1 + i / 40, 6) for i in range(20)
+    ]
     assert sorted(seen) == sorted([b"0", b"1", b"2", b"3"] * 10)  # 40 requests, each body in turn
     assert [r.status for r in records].count(503) == 10 and {r.worker for r in records} == {"w1"}
     assert all(r.ms > 0 and r.lag_ms > -1 for r in records)
@@ -242,8 +287,14 @@ def test_the_open_loop_hands_its_answers_over_while_it_runs():
 
     calls: list[tuple[int, float]] = []
     with stand_in_server(lambda body: (200, {}, b"{}")) as url:
-        records = open_loop(url, [b"0"], [(40, 2.0)], processes=2, report_s=0.3,
-                            on_records=lambda so_far, until: calls.append((len(so_far), until)))
+        records = open_loop(
+            url,
+            [b"0"],
+            [(40, 2.0)],
+            processes=2,
+            report_s=0.3,
+            on_records=lambda so_far, until: calls.append((len(so_far), until)),
+        )
     assert len(records) == 80
     during = [(n, until) for n, until in calls if until < math.inf]
     assert len([n for n, _ in during if n < 80]) >= 3  # handed over while requests were still due
@@ -260,8 +311,17 @@ def test_a_soak_reports_each_window_once_its_requests_are_answered(monkeypatch):
     monkeypatch.setattr(reliability, "worker_pids", lambda management, model: ["1"])
     reports: list[dict] = []
     with stand_in_server(lambda body: (200, {}, b"{}")) as url:
-        result = reliability.soak(url, "unused", "m", [b"0"], capacity=50, seconds=3.0, window=1.0, timeout=0.5,
-                                  on_window=lambda report: reports.append(report))
+        result = reliability.soak(
+            url,
+            "unused",
+            "m",
+            [b"0"],
+            capacity=50,
+            seconds=3.0,
+            window=1.0,
+            timeout=0.5,
+            on_window=lambda report: reports.append(report),
+        )
     counts = [len(r["windows"]) for r in reports]
     assert counts and counts[0] < 3 and counts == sorted(set(counts)) and counts[-1] == 3, counts
     assert len(result["windows"]) == 3 and result["workers_after"] == ["1"]
@@ -307,13 +367,29 @@ def test_profile_splits_a_request_of_each_task(archives, smollm2, tmp_path, monk
     smollm2[1].tokenizer.save(str(tmp_path / "tokenizer.json"))
     monkeypatch.setitem(profile.WORKLOADS, workload, shrunk)
     out = tmp_path / "profile.txt"
-    monkeypatch.setattr(sys, "argv", ["profile", "--package", str(archives[archive]), "--workload", workload,
-                                      "--tokenizer", str(tmp_path / "tokenizer.json"), "--out", str(out),
-                                      "--repeat", "2"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "profile",
+            "--package",
+            str(archives[archive]),
+            "--workload",
+            workload,
+            "--tokenizer",
+            str(tmp_path / "tokenizer.json"),
+            "--out",
+            str(out),
+            "--repeat",
+            "2",
+        ],
+    )
     profile.main()
     head, table = out.read_text().split("\n\n", 1)
     parts = json.loads(head.split("\n", 1)[1])
-    assert parts["tokenize_pack_ms"] > 0 and parts["end_to_end_in_process_ms (the whole batch)"] > parts["json_parse_ms"]
+    assert (
+        parts["tokenize_pack_ms"] > 0 and parts["end_to_end_in_process_ms (the whole batch)"] > parts["json_parse_ms"]
+    )
     assert parts["graph_ms (copy-in + graph + copy-out)"] > 0 and "Self CPU" in table
     at_bounds = parts["calls_at_the_bounds_ms (per requests in the call)"]  # beside the build's own timing
     assert at_bounds.keys() == parts["build_call_ms (the manifest's)"].keys() and min(at_bounds.values()) > 0
@@ -345,4 +421,3 @@ def test_the_kernel_bench_selections_equal_the_graphs():
         assert torch.equal(ids, order) and torch.equal(values, x.gather(1, order))
     values, ids = counted_top(torch.tensor([[1.0, float("nan"), 2.0, 0.5]]), 2)
     assert values[0, 0].isnan() and values[0, 1] == 2.0 and ids.tolist() == [[1, 2]]
-

@@ -6,15 +6,34 @@ import random
 
 import numpy as np
 import pytest
-
 from helpers import assert_same_beams, engine_for, hf_beam, hf_catalog_beam, text_ids, write_catalog
-from slm_core.compile.checkpoint import load_checkpoint
+
 from slm_core.catalog import Catalog
+from slm_core.compile.checkpoint import load_checkpoint
 from slm_core.errors import InputError, SpecError
 
-CITIES = ["Paris", "Paris, Texas", "Rome", "Rome, Georgia", "Berlin", "London", "Madrid", "Lisbon", "Vienna",
-          "Prague", "Warsaw", "Dublin", "Oslo", "Athens", "Brussels", "Amsterdam", "Copenhagen", "Helsinki",
-          "Stockholm", "Budapest"]
+CITIES = [
+    "Paris",
+    "Paris, Texas",
+    "Rome",
+    "Rome, Georgia",
+    "Berlin",
+    "London",
+    "Madrid",
+    "Lisbon",
+    "Vienna",
+    "Prague",
+    "Warsaw",
+    "Dublin",
+    "Oslo",
+    "Athens",
+    "Brussels",
+    "Amsterdam",
+    "Copenhagen",
+    "Helsinki",
+    "Stockholm",
+    "Budapest",
+]
 CHAT = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -46,14 +65,18 @@ def test_trie_and_exclusion_equal_brute_force():
     for _ in range(150):
         n = rng.randint(1, 4)
         items = list({tuple(rng.randint(1, 6) for _ in range(rng.randint(1, n))) for _ in range(rng.randint(1, 30))})
-        cat = Catalog.build([f"i{j}" for j in range(len(items))], [list(i) for i in items], list(range(len(items))),
-                            [0], n, 10**6)
+        cat = Catalog.build(
+            [f"i{j}" for j in range(len(items))], [list(i) for i in items], list(range(len(items))), [0], n, 10**6
+        )
         _ref_catalog(cat, items, n)
         for _ in range(4):  # the excluded edges: those that lead to no other item of <= new_tokens tokens
             limit, out = rng.randint(1, n), rng.sample(range(cat.size), rng.randint(0, min(4, cat.size)))
             killed, _ = cat.exclusion(out, limit, 8)
-            left = [tuple(cat.tokens[k][: cat.lengths[k]]) for k in range(cat.size)
-                    if k not in out and cat.lengths[k] <= limit]
+            left = [
+                tuple(cat.tokens[k][: cat.lengths[k]])
+                for k in range(cat.size)
+                if k not in out and cat.lengths[k] <= limit
+            ]
             for depth, level in enumerate(cat.levels):
                 for e in np.flatnonzero(level.end > level.start):
                     prefix = tuple(cat.tokens[level.start[e]][: depth + 1])
@@ -71,22 +94,28 @@ def test_catalog_file_round_trip_and_lookup(tmp_path):
         assert np.array_equal(x, y)
 
 
-@pytest.mark.parametrize("lines, message", [
-    ([], "holds no item"),
-    (['{"id": "a", "tokens": [1, 2, 3, 4]}'], "line 1: the item is 4 tokens, over new_tokens=3"),
-    (['{"id": "a", "tokens": [1]}', '{"id": "b", "tokens": [99999]}'], "line 2: token 99999 is outside"),
-    (['{"id": "a", "tokens": [1]}', '', '{"id": "a", "tokens": [5]}'], "line 3: id 'a' is also on line 1"),
-    (['{"id": "a", "tokens": [1, 5]}', '{"id": "b", "tokens": [1, 5]}'], "line 2: the item has the same tokens as line 1"),
-    (['{"id": "a", "tokens": [1, 2]}'], "holds the stop token 2"),
-    (['{"id": "a"}'], "line 1: an item is"),
-    (['{"id": "a", "text": ""}'], "line 1: 'text' must be a non-empty string"),
-    (['not json'], "line 1: not JSON"),
-    (['{"id": "a\\u0000", "tokens": [5]}'], "line 1: 'id' holds a NUL character"),
-    (['{"id": "\\ud800", "tokens": [5]}'], "line 1: 'id' holds a lone surrogate"),
-    (['{"id": "%s", "tokens": [5]}' % ("x" * 257)], "line 1: 'id' is 257 bytes in UTF-8, over 256"),
-    (['{"id": 1%s, "tokens": [5]}' % ("0" * 5000)], "catalog .* line 1: "),
-    (['{"id": "a", "text": "\\udc80x"}'], "line 1: 'text' holds a lone surrogate"),
-])
+@pytest.mark.parametrize(
+    "lines, message",
+    [
+        ([], "holds no item"),
+        (['{"id": "a", "tokens": [1, 2, 3, 4]}'], "line 1: the item is 4 tokens, over new_tokens=3"),
+        (['{"id": "a", "tokens": [1]}', '{"id": "b", "tokens": [99999]}'], "line 2: token 99999 is outside"),
+        (['{"id": "a", "tokens": [1]}', "", '{"id": "a", "tokens": [5]}'], "line 3: id 'a' is also on line 1"),
+        (
+            ['{"id": "a", "tokens": [1, 5]}', '{"id": "b", "tokens": [1, 5]}'],
+            "line 2: the item has the same tokens as line 1",
+        ),
+        (['{"id": "a", "tokens": [1, 2]}'], "holds the stop token 2"),
+        (['{"id": "a"}'], "line 1: an item is"),
+        (['{"id": "a", "text": ""}'], "line 1: 'text' must be a non-empty string"),
+        (["not json"], "line 1: not JSON"),
+        (['{"id": "a\\u0000", "tokens": [5]}'], "line 1: 'id' holds a NUL character"),
+        (['{"id": "\\ud800", "tokens": [5]}'], "line 1: 'id' holds a lone surrogate"),
+        (['{"id": "%s", "tokens": [5]}' % ("x" * 257)], "line 1: 'id' is 257 bytes in UTF-8, over 256"),
+        (['{"id": 1%s, "tokens": [5]}' % ("0" * 5000)], "catalog .* line 1: "),
+        (['{"id": "a", "text": "\\udc80x"}'], "line 1: 'text' holds a lone surrogate"),
+    ],
+)
 def test_bad_catalogs_are_build_errors_naming_the_line(tmp_path, random_checkpoint, lines, message):
     folder, _ = random_checkpoint("qwen2")
     ckpt = load_checkpoint(folder)
@@ -101,8 +130,14 @@ def test_exclude_ids_that_cannot_match_cost_nothing_and_count_once(tmp_path, ran
     search (a search would widen every catalog id to its length); repeated ids count once."""
     folder, _ = random_checkpoint("qwen3")
     write_catalog(tmp_path / "c.jsonl", [[10, 11], [12], [13, 14]])
-    eng = engine_for(load_checkpoint(folder), task="beam", beam_width=4, new_tokens=2, stop=["<|im_end|>"],
-                     catalog=str(tmp_path / "c.jsonl"))
+    eng = engine_for(
+        load_checkpoint(folder),
+        task="beam",
+        beam_width=4,
+        new_tokens=2,
+        stop=["<|im_end|>"],
+        catalog=str(tmp_path / "c.jsonl"),
+    )
     request = eng.task.request({"prompt": "x", "exclude": ["item-1", "item-1", "zz", "zz", "\ud800", "y" * 10**7]})
     assert (request.excluded, request.unknown) == ((eng.task.catalog.lookup(["item-1"])[0][0],), 3)
     answer = eng.run_one(request)
@@ -112,8 +147,14 @@ def test_exclude_ids_that_cannot_match_cost_nothing_and_count_once(tmp_path, ran
 def test_repeated_stop_strings_count_once(tmp_path, random_checkpoint):
     folder, _ = random_checkpoint("qwen3")
     write_catalog(tmp_path / "c.jsonl", [[10, 11], [12]])
-    eng = engine_for(load_checkpoint(folder), task="beam", beam_width=4, new_tokens=2,
-                     stop=["<|im_end|>", "<|im_end|>"], catalog=str(tmp_path / "c.jsonl"))
+    eng = engine_for(
+        load_checkpoint(folder),
+        task="beam",
+        beam_width=4,
+        new_tokens=2,
+        stop=["<|im_end|>", "<|im_end|>"],
+        catalog=str(tmp_path / "c.jsonl"),
+    )
     ids = [c["id"] for c in eng.run_one("x")["candidates"]]
     assert eng.task.stop_ids == [2] and sorted(ids) == ["item-0", "item-1"]
 
@@ -151,8 +192,15 @@ def test_random_catalog_beam_equals_transformers(tmp_path, random_checkpoint, ar
     stop_id = 3
     items = _items(rng, count, 4, range(10, 200), prefixes=True)
     write_catalog(tmp_path / "c.jsonl", items)
-    eng = engine_for(ckpt, task="beam", beam_width=width, new_tokens=4, stop=[ckpt.tokenizer.decode([stop_id])],
-                     catalog=str(tmp_path / "c.jsonl"), catalog_scores=scores)
+    eng = engine_for(
+        ckpt,
+        task="beam",
+        beam_width=width,
+        new_tokens=4,
+        stop=[ckpt.tokenizer.decode([stop_id])],
+        catalog=str(tmp_path / "c.jsonl"),
+        catalog_scores=scores,
+    )
     assert eng.task.stop_ids == [stop_id]
     for prompt in ("a small language model", "search engines rank"):
         ours = eng.run_one(prompt)["candidates"]
@@ -186,18 +234,28 @@ def test_per_request_settings_and_exclude_equal_transformers_in_one_call(tmp_pat
     stop_id = 3
     items = _items(rng, 60, 4, range(10, 120), prefixes=True)
     write_catalog(tmp_path / "c.jsonl", items)
-    eng = engine_for(ckpt, task="beam", beam_width=8, new_tokens=4, stop=[ckpt.tokenizer.decode([stop_id])],
-                     catalog=str(tmp_path / "c.jsonl"), max_batch=4, max_exclude=8)
+    eng = engine_for(
+        ckpt,
+        task="beam",
+        beam_width=8,
+        new_tokens=4,
+        stop=[ckpt.tokenizer.decode([stop_id])],
+        catalog=str(tmp_path / "c.jsonl"),
+        max_batch=4,
+        max_exclude=8,
+    )
     prompt = "a small language model"
     ids = text_ids(eng, [prompt])[0]
     full = hf_catalog_beam(hf, ids, 8, 4, [stop_id], items)
     shown = [c for c in eng.run_one(prompt)["candidates"]][:3]
     excluded = [c["id"] for c in shown] + ["not-an-item"]
     left = [i for k, i in enumerate(items) if f"item-{k}" not in excluded]
-    requests = [{"prompt": prompt, "beam_width": 3, "new_tokens": 2},
-                {"prompt": prompt, "exclude": excluded},
-                {"prompt": prompt, "top": 2},
-                {"prompt": prompt, "beam_width": 5, "new_tokens": 3, "exclude": excluded[:1]}]
+    requests = [
+        {"prompt": prompt, "beam_width": 3, "new_tokens": 2},
+        {"prompt": prompt, "exclude": excluded},
+        {"prompt": prompt, "top": 2},
+        {"prompt": prompt, "beam_width": 5, "new_tokens": 3, "exclude": excluded[:1]},
+    ]
     results = eng.run([eng.task.request(r) for r in requests])
     assert {r.stats.batch for r in results} == {4}
     assert_same_beams(results[0].answer["candidates"], hf_catalog_beam(hf, ids, 3, 2, [stop_id], items))
@@ -215,27 +273,45 @@ def test_plain_beam_per_request_settings_equal_transformers(random_checkpoint):
     eng = engine_for(ckpt, task="beam", beam_width=8, new_tokens=4, max_batch=3)
     prompt = "search engines rank"
     ids = text_ids(eng, [prompt])[0]
-    results = eng.run([eng.task.request(r) for r in ({"prompt": prompt, "beam_width": 2, "new_tokens": 3},
-                                                     {"prompt": prompt}, {"prompt": prompt, "top": 3, "new_tokens": 1})])
+    results = eng.run(
+        [
+            eng.task.request(r)
+            for r in (
+                {"prompt": prompt, "beam_width": 2, "new_tokens": 3},
+                {"prompt": prompt},
+                {"prompt": prompt, "top": 3, "new_tokens": 1},
+            )
+        ]
+    )
     assert_same_beams(results[0].answer, hf_beam(hf, ids, 2, 3, [], pad_id=0))
     assert_same_beams(results[1].answer, hf_beam(hf, ids, 8, 4, [], pad_id=0))
     assert_same_beams(results[2].answer, hf_beam(hf, ids, 8, 1, [], pad_id=0)[:3])
 
 
-@pytest.mark.parametrize("body, message", [
-    ({"prompt": "x", "beam_width": 9}, "'beam_width' must be an integer from 1 to 8"),
-    ({"prompt": "x", "new_tokens": 0}, "'new_tokens' must be an integer from 1 to 4"),
-    ({"prompt": "x", "top": "3"}, "'top' must be an integer from 1 to 8 .*got a string"),
-    ({"prompt": "x", "exclude": "a"}, "'exclude' must be an array of item ids, got a string"),
-    ({"prompt": "x", "exclude": [None]}, "'exclude' must hold item ids"),
-    ({"prompt": "x", "exclude": ["a"] * 9}, "over max_exclude=8"),
-    ({"prompt": "x", "width": 3}, "unknown fields"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"prompt": "x", "beam_width": 9}, "'beam_width' must be an integer from 1 to 8"),
+        ({"prompt": "x", "new_tokens": 0}, "'new_tokens' must be an integer from 1 to 4"),
+        ({"prompt": "x", "top": "3"}, "'top' must be an integer from 1 to 8 .*got a string"),
+        ({"prompt": "x", "exclude": "a"}, "'exclude' must be an array of item ids, got a string"),
+        ({"prompt": "x", "exclude": [None]}, "'exclude' must hold item ids"),
+        ({"prompt": "x", "exclude": ["a"] * 9}, "over max_exclude=8"),
+        ({"prompt": "x", "width": 3}, "unknown fields"),
+    ],
+)
 def test_bad_settings_are_400s(tmp_path, random_checkpoint, body, message):
     folder, _ = random_checkpoint("qwen3")
     write_catalog(tmp_path / "c.jsonl", [[10, 11], [12]])
-    eng = engine_for(load_checkpoint(folder), task="beam", beam_width=8, new_tokens=4, stop=["<|im_end|>"],
-                     catalog=str(tmp_path / "c.jsonl"), max_exclude=8)
+    eng = engine_for(
+        load_checkpoint(folder),
+        task="beam",
+        beam_width=8,
+        new_tokens=4,
+        stop=["<|im_end|>"],
+        catalog=str(tmp_path / "c.jsonl"),
+        max_exclude=8,
+    )
     with pytest.raises(InputError, match=message):
         eng.task.request(body)
 
@@ -244,11 +320,23 @@ def test_smollm2_catalog_of_titles_equals_transformers(tmp_path, smollm2):
     path, ckpt, hf, _ = smollm2
     write_catalog(tmp_path / "cities.jsonl", CITIES)
     for width in (4, 32):  # fewer and more beams than the catalog's 20 items
-        eng = engine_for(ckpt, task="beam", beam_width=width, new_tokens=4, max_prompt_tokens=64, stop=["<|im_end|>"],
-                         prompt_template=CHAT, catalog=str(tmp_path / "cities.jsonl"))
+        eng = engine_for(
+            ckpt,
+            task="beam",
+            beam_width=width,
+            new_tokens=4,
+            max_prompt_tokens=64,
+            stop=["<|im_end|>"],
+            prompt_template=CHAT,
+            catalog=str(tmp_path / "cities.jsonl"),
+        )
         items = [ckpt.tokenizer.encode(c, add_special_tokens=False).ids for c in CITIES]
         for prompt in ("What is the capital of France?", "Name a city in Italy"):
             ours = eng.run_one(prompt)["candidates"]
-            assert_same_beams(ours, hf_catalog_beam(hf, text_ids(eng, [prompt])[0], width, 4, eng.task.stop_ids,
-                                                    [i for i in items if len(i) <= 4]))
+            assert_same_beams(
+                ours,
+                hf_catalog_beam(
+                    hf, text_ids(eng, [prompt])[0], width, 4, eng.task.stop_ids, [i for i in items if len(i) <= 4]
+                ),
+            )
             assert all(c["text"] == CITIES[int(c["id"].split("-")[1])] for c in ours)

@@ -4,12 +4,13 @@ AutoModelForSequenceClassification on the same weights (fp32, CPU)."""
 
 import pytest
 import torch
-
-from helpers import CLASSIFIER_TEXTS as TEXTS
 from helpers import CLASSIFIER_NAMES as NAMES
+from helpers import CLASSIFIER_TEXTS as TEXTS
 from helpers import classifier_checkpoint, hf_rows
+
 from slm_core import Engine
 from slm_core.errors import SpecError
+
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("labels", [2, 5])

@@ -6,8 +6,8 @@ import time
 
 import pytest
 import torch
-
 from conftest import smollm2_path
+
 from slm_core import Engine, InputError
 from slm_core.compile.checkpoint import load_checkpoint
 from slm_core.serve.deadline import Deadlines, waited_ms
@@ -41,8 +41,11 @@ def test_arrival_from_a_proxys_request_start_stamp(scale, prefix):
     assert 450 < waited_ms({"x-request-start": stamp}, time.monotonic()) < 5000
 
 
-@pytest.mark.parametrize("stamp", [lambda: "soon", lambda: "-3", lambda: f"{time.time() + 60:.3f}", lambda: "nan"],
-                         ids=["a word", "negative", "a minute ahead", "nan"])
+@pytest.mark.parametrize(
+    "stamp",
+    [lambda: "soon", lambda: "-3", lambda: f"{time.time() + 60:.3f}", lambda: "nan"],
+    ids=["a word", "negative", "a minute ahead", "nan"],
+)
 def test_an_unusable_stamp_counts_from_when_the_worker_took_the_request(stamp):
     taken = time.monotonic() - 0.2  # the stamp is made now: one a minute ahead is ahead when it is read
     assert 200 <= waited_ms({"x-request-start": stamp()}, taken) < 5000
@@ -62,8 +65,10 @@ class CountingGraph(torch.nn.Module):
 
 
 def test_late_requests_get_a_504_and_are_not_computed():
-    task = task_for(TaskSpec.from_dict(dict(task="score", labels=["Yes", "No"], max_texts=4, max_text_tokens=32,
-                                            max_batch=4)), load_checkpoint(smollm2_path()).tokenizer)
+    task = task_for(
+        TaskSpec.from_dict(dict(task="score", labels=["Yes", "No"], max_texts=4, max_text_tokens=32, max_batch=4)),
+        load_checkpoint(smollm2_path()).tokenizer,
+    )
     graph = CountingGraph()
     engine = Engine(graph, task, "cpu")
     deadlines = Deadlines(50.0, {"1": 5.0, "4": 20.0})

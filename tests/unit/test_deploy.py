@@ -14,7 +14,6 @@ from urllib.parse import urlparse
 
 import pytest
 import yaml
-
 from deploy_env import CONFIG, DEPLOY, INFERENCE_PORT, METRICS_PORT, SERVE, SERVE_DEFAULTS, TASK, serve_env
 
 
@@ -127,8 +126,13 @@ def fake(tmp_path):
     script = tmp_path / "fake-archiver"
     script.write_text(FAKE_ARCHIVER)
     script.chmod(0o755)
-    env = serve_env(tmp_path, str(script), str(TASK), FAKE_LOG=str(tmp_path / "calls.log"),
-                    ARCHIVER_ARGS="--deadline-ms 50 --no-cuda-graphs")
+    env = serve_env(
+        tmp_path,
+        str(script),
+        str(TASK),
+        FAKE_LOG=str(tmp_path / "calls.log"),
+        ARCHIVER_ARGS="--deadline-ms 50 --no-cuda-graphs",
+    )
     return env, tmp_path / "store"
 
 
@@ -207,8 +211,9 @@ def test_mps_starts_under_tmpdir_or_the_replica_refuses_to_serve(fake, tmp_path,
     store.mkdir()
     (store / "smollm2-intent.mar").write_text("built\n")  # nothing to build
     (tmp_path / "tmp").mkdir()
-    result = run_serve({**env, "DEVICE": "cuda", "BUILD_ONLY": "0", "TMPDIR": str(tmp_path / "tmp"),
-                        "PATH": fake_tools(tmp_path, mps)})
+    result = run_serve(
+        {**env, "DEVICE": "cuda", "BUILD_ONLY": "0", "TMPDIR": str(tmp_path / "tmp"), "PATH": fake_tools(tmp_path, mps)}
+    )
     calls = Path(env["FAKE_LOG"]).read_text() if Path(env["FAKE_LOG"]).exists() else ""
     if mps == "0":
         assert result.returncode == 0, result.stderr
@@ -218,8 +223,16 @@ def test_mps_starts_under_tmpdir_or_the_replica_refuses_to_serve(fake, tmp_path,
         assert result.returncode == 2 and "MPS=0 serves without it" in result.stderr, result.stderr
         assert "torchserve" not in calls
     (tmp_path / "off").mkdir()
-    off = run_serve({**env, "DEVICE": "cuda", "BUILD_ONLY": "0", "MPS": "0", "TMPDIR": str(tmp_path / "tmp"),
-                     "PATH": fake_tools(tmp_path / "off", None)})
+    off = run_serve(
+        {
+            **env,
+            "DEVICE": "cuda",
+            "BUILD_ONLY": "0",
+            "MPS": "0",
+            "TMPDIR": str(tmp_path / "tmp"),
+            "PATH": fake_tools(tmp_path / "off", None),
+        }
+    )
     assert off.returncode == 0, off.stderr  # MPS=0: served without a daemon, on purpose
 
 
@@ -245,8 +258,11 @@ def test_manifests_validate_against_the_kubernetes_schema():
     assert [d["kind"] for d in docs] == ["Deployment", "Service", "NetworkPolicy", "NetworkPolicy", "Pod"]
     for doc in docs:
         kubernetes_validate.validate(doc, version, strict=True)
-    broken = next(yaml.safe_load_all((DEPLOY / "k8s.yaml").read_text().replace("terminationGracePeriodSeconds",
-                                                                                "terminationGracePeriod")))
+    broken = next(
+        yaml.safe_load_all(
+            (DEPLOY / "k8s.yaml").read_text().replace("terminationGracePeriodSeconds", "terminationGracePeriod")
+        )
+    )
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(broken, version, strict=True)
 
@@ -257,8 +273,10 @@ def test_network_policies_select_the_pods_and_admit_their_ports():
     policies = list(yaml.safe_load_all((DEPLOY / "networkpolicy.yaml").read_text()))
     deployment = next(yaml.safe_load_all((DEPLOY / "k8s.yaml").read_text()))
     [isvc] = yaml.safe_load_all((DEPLOY / "kserve.yaml").read_text())
-    pod_labels = [deployment["spec"]["template"]["metadata"]["labels"],
-                  {"serving.kserve.io/inferenceservice": isvc["metadata"]["name"]}]
+    pod_labels = [
+        deployment["spec"]["template"]["metadata"]["labels"],
+        {"serving.kserve.io/inferenceservice": isvc["metadata"]["name"]},
+    ]
     for policy, labels in zip(policies, pod_labels):
         assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
         ports = sorted(p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"])
@@ -284,9 +302,15 @@ def test_a_stop_drains_within_the_grace_period_and_disk_is_bounded(index):
 
 # The InferenceService against the kserve SDK's generated models, which hold KServe's field names
 # (attribute_map) and types (openapi_types); nested Kubernetes types are the kubernetes client's.
-SCALARS = {"str": (str, int, float),  # quantities ("1", 1) are strings in the models, numbers in YAML
-           "int": int, "float": (int, float), "bool": bool, "object": object, "ResourceQuantity": (str, int, float),
-           "datetime": str}
+SCALARS = {
+    "str": (str, int, float),  # quantities ("1", 1) are strings in the models, numbers in YAML
+    "int": int,
+    "float": (int, float),
+    "bool": bool,
+    "object": object,
+    "ResourceQuantity": (str, int, float),
+    "datetime": str,
+}
 
 
 def unknown_fields(value, type_name: str, where: str = "") -> list[str]:
@@ -304,8 +328,11 @@ def unknown_fields(value, type_name: str, where: str = "") -> list[str]:
             return [f"{where}: not a mapping ({type_name})"]
         return [e for k, item in value.items() for e in unknown_fields(item, inner[1] or inner[2], f"{where}.{k}")]
     if type_name in SCALARS:
-        bad = isinstance(value, (dict, list)) or not isinstance(value, SCALARS[type_name]) or (
-            type_name == "int" and isinstance(value, bool))
+        bad = (
+            isinstance(value, (dict, list))
+            or not isinstance(value, SCALARS[type_name])
+            or (type_name == "int" and isinstance(value, bool))
+        )
         return [f"{where}: {value!r} is not {type_name}"] if bad else []
     model = getattr(kserve.models, type_name, None) or getattr(kubernetes.client, type_name, None)
     if model is None:
@@ -329,10 +356,12 @@ def test_inference_service_is_kserves():
     text = (DEPLOY / "kserve.yaml").read_text()
     [isvc] = yaml.safe_load_all(text)
     assert unknown_fields(isvc, "V1beta1InferenceService") == []
-    for right, wrong, where in [("minReplicas", "minReplica", ".spec.predictor.minReplica"),
-                                ("periodSeconds: 5", "periodSecond: 5", ".spec.predictor.containers[0].readinessProbe"),
-                                ("sizeLimit", "size_limit", ".spec.predictor.volumes[0].emptyDir.size_limit"),
-                                ("  name: slm-serve\n", "  name: slm-serve\n  label: {app: slm}\n", ".metadata.label")]:
+    for right, wrong, where in [
+        ("minReplicas", "minReplica", ".spec.predictor.minReplica"),
+        ("periodSeconds: 5", "periodSecond: 5", ".spec.predictor.containers[0].readinessProbe"),
+        ("sizeLimit", "size_limit", ".spec.predictor.volumes[0].emptyDir.size_limit"),
+        ("  name: slm-serve\n", "  name: slm-serve\n  label: {app: slm}\n", ".metadata.label"),
+    ]:
         assert right in text
         [broken] = yaml.safe_load_all(text.replace(right, wrong, 1))
         [error] = unknown_fields(broken, "V1beta1InferenceService")
@@ -344,7 +373,8 @@ FAKE_TORCHSERVE = """#!/usr/bin/env bash
 # which logs whether the gateway still answers then.
 echo "torchserve $1 inference=${TS_INFERENCE_ADDRESS:-}" >> "$FAKE_LOG"
 if [[ $1 == --stop ]]; then
-  python3 -c "import urllib.request as u; print('gateway', u.urlopen('http://$GATEWAY_ADDRESS/v2/health/live', timeout=2).status)" >> "$FAKE_LOG"
+  python3 -c "import sys, urllib.request as u; print('gateway', u.urlopen(sys.argv[1], timeout=2).status)" \\
+    "http://$GATEWAY_ADDRESS/v2/health/live" >> "$FAKE_LOG"
   kill "$(cat "$FAKE_PID")"
   exit 0
 fi
@@ -368,11 +398,23 @@ def gateway_replica(fake, tmp_path):
     (tmp_path / "root").mkdir()
     (tmp_path / "root" / "ping").write_text("Healthy")
     gateway, inference, management, metrics = free_ports(4)
-    return {**env, "BUILD_ONLY": "0", "KSERVE_GATEWAY": "1", "PATH": f"{tmp_path / 'bin'}:{Path(sys.executable).parent}:/usr/bin:/bin",
-            "TS_INFERENCE_ADDRESS": f"http://127.0.0.1:{inference}", "GATEWAY_ADDRESS": f"127.0.0.1:{gateway}",
-            "MANAGEMENT": f"http://127.0.0.1:{management}", "METRICS": f"http://127.0.0.1:{metrics}",
-            "DRAIN_FILE": str(tmp_path / "draining"), "FAKE_PID": str(tmp_path / "torchserve.pid"),
-            "FAKE_ROOT": str(tmp_path / "root")}, f"127.0.0.1:{gateway}", inference
+    return (
+        {
+            **env,
+            "BUILD_ONLY": "0",
+            "KSERVE_GATEWAY": "1",
+            "PATH": f"{tmp_path / 'bin'}:{Path(sys.executable).parent}:/usr/bin:/bin",
+            "TS_INFERENCE_ADDRESS": f"http://127.0.0.1:{inference}",
+            "GATEWAY_ADDRESS": f"127.0.0.1:{gateway}",
+            "MANAGEMENT": f"http://127.0.0.1:{management}",
+            "METRICS": f"http://127.0.0.1:{metrics}",
+            "DRAIN_FILE": str(tmp_path / "draining"),
+            "FAKE_PID": str(tmp_path / "torchserve.pid"),
+            "FAKE_ROOT": str(tmp_path / "root"),
+        },
+        f"127.0.0.1:{gateway}",
+        inference,
+    )
 
 
 def test_kserve_gateway_fronts_torchserve_and_stops_after_it(gateway_replica):
@@ -385,12 +427,15 @@ def test_kserve_gateway_fronts_torchserve_and_stops_after_it(gateway_replica):
     from handlers.local_server import http
 
     env, gateway, inference = gateway_replica
-    proc = subprocess.Popen([str(SERVE)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [str(SERVE)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         deadline = time.monotonic() + 30
         while True:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "no gateway"
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                proc.stdout.read() if proc.poll() else "no gateway"
+            )
             try:
                 if http("GET", f"http://{gateway}/ping", timeout=2) == (200, b"Healthy"):
                     break
@@ -404,7 +449,9 @@ def test_kserve_gateway_fronts_torchserve_and_stops_after_it(gateway_replica):
         assert "drain: TorchServe does not answer" in out  # the drain ran first (nothing at MANAGEMENT here)
         assert Path(env["FAKE_LOG"]).read_text().splitlines() == [
             f"torchserve --start inference=http://127.0.0.1:{inference}",
-            f"torchserve --stop inference=http://127.0.0.1:{inference}", "gateway 200"]
+            f"torchserve --stop inference=http://127.0.0.1:{inference}",
+            "gateway 200",
+        ]
         with pytest.raises(OSError):  # stopped with the replica
             http("GET", f"http://{gateway}/v2/health/live", timeout=2)
     finally:

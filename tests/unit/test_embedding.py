@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-
 from helpers import CLASSIFIER_TEXTS as TEXTS
 from helpers import engine_for, hf_embeddings, text_ids
+
 from slm_core import Engine
 from slm_core.errors import SpecError
 from slm_core.serve.protocol import Request, respond_batch
@@ -51,13 +51,19 @@ def test_random_qwen_embeddings_are_transformers_last_hidden_state(random_checkp
 def test_the_rest_answer_and_its_bounds(random_checkpoint):
     folder, _ = random_checkpoint("qwen3")
     engine = Engine.from_checkpoint(folder, {**TASK, "precision": "fp32", "max_batch": 2, "max_texts": 3})
-    replies = respond_batch(engine, [Request({"body": b'{"texts": ["a", "search engines"]}'}),
-                                     Request({"body": b'{"texts": ["x", "y", "z", "w"]}'})])
+    replies = respond_batch(
+        engine,
+        [
+            Request({"body": b'{"texts": ["a", "search engines"]}'}),
+            Request({"body": b'{"texts": ["x", "y", "z", "w"]}'}),
+        ],
+    )
     assert [r.status for r in replies] == [200, 400]
     answer = json.loads(replies[0].body)
     assert list(answer) == ["embeddings"] and len(answer["embeddings"]) == 2
-    torch.testing.assert_close(torch.tensor(answer["embeddings"]), torch.tensor(engine.embed(["a", "search engines"])),
-                               atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(answer["embeddings"]), torch.tensor(engine.embed(["a", "search engines"])), atol=1e-6, rtol=0
+    )
     assert "max_texts=3" in json.loads(replies[1].body)["error"]
     with pytest.raises(TypeError, match=r"call engine.embed\(...\)"):
         engine.score(["a"])
@@ -65,10 +71,12 @@ def test_the_rest_answer_and_its_bounds(random_checkpoint):
 
 def test_embedding_spec_errors(random_checkpoint):
     folder, _ = random_checkpoint("qwen3")
-    for bad, message in (({"dims": 65}, "'dims' is 65, over the model's hidden size 64"),
-                         ({"dims": 0}, "'dims' must be a positive integer"),
-                         ({"normalize": "yes"}, "'normalize' must be true or false"),
-                         ({"labels": ["yes", "no"]}, "an embedding task has no 'labels'")):
+    for bad, message in (
+        ({"dims": 65}, "'dims' is 65, over the model's hidden size 64"),
+        ({"dims": 0}, "'dims' must be a positive integer"),
+        ({"normalize": "yes"}, "'normalize' must be true or false"),
+        ({"labels": ["yes", "no"]}, "an embedding task has no 'labels'"),
+    ):
         with pytest.raises(SpecError, match=message):
             Engine.from_checkpoint(folder, {**TASK, **bad})
     with pytest.raises(SpecError, match="'dims' and 'normalize' are for head: embedding or mlp"):

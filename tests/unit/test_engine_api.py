@@ -3,9 +3,9 @@
 import json
 
 import pytest
-
 from conftest import CHAT, smollm2_path
 from helpers import engine_for
+
 from slm_core import Engine, InputError, SpecError
 from slm_core.compile.checkpoint import load_checkpoint
 
@@ -16,8 +16,11 @@ def write_yaml(path, text):
 
 
 def test_from_checkpoint_with_yaml_tasks(tmp_path):
-    score_yaml = write_yaml(tmp_path / "score.yaml", f"task: score\nprompt_template: {json.dumps(CHAT)}\n"
-                            'labels: ["Yes", "No"]\nmax_texts: 4\nmax_text_tokens: 128\nprecision: fp32\n')
+    score_yaml = write_yaml(
+        tmp_path / "score.yaml",
+        f"task: score\nprompt_template: {json.dumps(CHAT)}\n"
+        'labels: ["Yes", "No"]\nmax_texts: 4\nmax_text_tokens: 128\nprecision: fp32\n',
+    )
     eng = Engine.from_checkpoint(smollm2_path(), task=score_yaml, device="cpu")
     rows = eng.score(["Is Paris in France? Answer Yes or No.", "Is the sun cold? Answer Yes or No."])
     assert len(rows) == 2 and all(len(r) == 2 and abs(sum(r) - 1) < 1e-5 for r in rows)
@@ -27,8 +30,11 @@ def test_from_checkpoint_with_yaml_tasks(tmp_path):
     with pytest.raises(TypeError, match=r"runs a 'score' task: call engine.score\(...\)"):
         eng.beam("hello")
 
-    beam_yaml = write_yaml(tmp_path / "beam.yaml", f"task: beam\nprompt_template: {json.dumps(CHAT.replace('{text}', '{prompt}'))}\n"
-                           'beam_width: 3\nnew_tokens: 4\nstop: ["<|im_end|>"]\nprecision: fp32\n')
+    beam_yaml = write_yaml(
+        tmp_path / "beam.yaml",
+        f"task: beam\nprompt_template: {json.dumps(CHAT.replace('{text}', '{prompt}'))}\n"
+        'beam_width: 3\nnew_tokens: 4\nstop: ["<|im_end|>"]\nprecision: fp32\n',
+    )
     eng = Engine.from_checkpoint(smollm2_path(), task=beam_yaml)
     out = eng.beam("What is the capital of France?")
     assert len(out) == 3 and [c["score"] for c in out] == sorted((c["score"] for c in out), reverse=True)
@@ -115,8 +121,10 @@ def test_a_non_finite_output_is_a_500_for_its_request_only():
         def forward(self, ids, cu):
             return torch.full((cu.shape[0] - 1, 2), float("nan"))
 
-    task = task_for(TaskSpec.from_dict(dict(task="score", labels=["Yes", "No"], max_texts=4, max_text_tokens=32,
-                                            max_batch=2)), load_checkpoint(smollm2_path()).tokenizer)
+    task = task_for(
+        TaskSpec.from_dict(dict(task="score", labels=["Yes", "No"], max_texts=4, max_text_tokens=32, max_batch=2)),
+        load_checkpoint(smollm2_path()).tokenizer,
+    )
     engine = Engine(NanGraph(), task, "cpu")
     replies = respond_batch(engine, [Request({"body": b'{"texts": ["a"]}'}), Request({"body": b'{"texts": 3}'})])
     assert [r.status for r in replies] == [500, 400] and b"non-finite" in replies[0].body
@@ -138,8 +146,10 @@ def test_a_failed_call_is_a_500_unless_the_device_is_lost(device_usable):
         def forward(self, ids, cu):
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    task = task_for(TaskSpec.from_dict(dict(task="score", labels=["Yes", "No"], max_texts=4, max_text_tokens=32,
-                                            max_batch=2)), load_checkpoint(smollm2_path()).tokenizer)
+    task = task_for(
+        TaskSpec.from_dict(dict(task="score", labels=["Yes", "No"], max_texts=4, max_text_tokens=32, max_batch=2)),
+        load_checkpoint(smollm2_path()).tokenizer,
+    )
     engine = Engine(FaultyGraph(), task, "cpu")
     assert engine.usable()  # a CPU engine always is
     engine.usable = lambda: device_usable
@@ -158,8 +168,11 @@ def test_reply_encoding_is_compact_json_and_refuses_what_json_cannot_carry():
     NaN or infinity anywhere (JSON has none) and for a str UTF-8 cannot carry."""
     from slm_core.serve.protocol import encode
 
-    answer = {"candidates": [{"text": "é \u2028 \"q\"", "token_ids": [1, 2], "score": -0.1 * i} for i in range(3)],
-              "id": None, "probs": [[1e-05, 0.99999]]}
+    answer = {
+        "candidates": [{"text": 'é \u2028 "q"', "token_ids": [1, 2], "score": -0.1 * i} for i in range(3)],
+        "id": None,
+        "probs": [[1e-05, 0.99999]],
+    }
     out = encode(answer)
     assert json.loads(out) == answer and out == encode(answer)
     del answer["probs"]  # the standard library writes 1e-05 where orjson writes 0.00001; all else alike

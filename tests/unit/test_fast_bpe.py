@@ -5,11 +5,11 @@ them, through the task tokenizer's template; tokenizers it cannot stand for are 
 import random
 
 import pytest
+from test_pieces import CUTTABLE, serialized, texts
 from tokenizers import AddedToken, Tokenizer, normalizers, pre_tokenizers, processors
 
 from slm_core.fast_bpe import FastBpe
 from slm_core.tokenizer import PackedTokenizer
-from test_pieces import CUTTABLE, serialized, texts
 
 TEMPLATE = "<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
 USABLE = ["smollm2", "gpt2", "qwen2", "llama3"]
@@ -62,7 +62,9 @@ def test_task_tokenizer_fast_path_equals_the_tokenizers_path(name, byte_level):
     batch = texts(seed=3 + len(name), count=30) + ["<tool_call> x", "a <|im_end|> b", "  ", "日本語🤖"]
     for bos in (False, True):
         if bos:
-            tok.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+            tok.post_processor = processors.TemplateProcessing(
+                single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)]
+            )
         fast = PackedTokenizer(Tokenizer.from_str(tok.to_str()), TEMPLATE, "{text}")
         assert fast._fast is not None, name
         slow = slow_twin(tok, TEMPLATE)
@@ -77,4 +79,6 @@ def test_allow_special_tokens_keeps_the_tokenizers_path(byte_level):
     tok = byte_level()
     allowed = PackedTokenizer(tok, TEMPLATE, "{text}", allow_special_tokens=True)
     assert allowed._fast is None  # user text may spell special tokens that must match
-    assert allowed.encode(["a <|im_end|>"]) == slow_twin(tok, TEMPLATE, allow_special_tokens=True).encode(["a <|im_end|>"])
+    assert allowed.encode(["a <|im_end|>"]) == slow_twin(tok, TEMPLATE, allow_special_tokens=True).encode(
+        ["a <|im_end|>"]
+    )

@@ -7,16 +7,22 @@ import json
 
 import pytest
 import torch
-
 from helpers import engine_for
-from slm_kernels.layer_ref import E4M3_MAX, quantize_static_ref
-from slm_core import SpecError
+
+from slm_core import Engine, SpecError
 from slm_core.compile.checkpoint import load_checkpoint
 from slm_core.compile.checks import GateThresholds, fp8_gate
-from slm_core.compile.fp8 import (CALIBRATION_TEXTS, STATIC_HEADROOM, StaticFp8Linear, StaticFp8MLP, calibrate,
-                                quantize_linears, static_linears)
+from slm_core.compile.fp8 import (
+    CALIBRATION_TEXTS,
+    STATIC_HEADROOM,
+    StaticFp8Linear,
+    StaticFp8MLP,
+    calibrate,
+    quantize_linears,
+    static_linears,
+)
 from slm_core.spec import TaskSpec
-from slm_core import Engine
+from slm_kernels.layer_ref import E4M3_MAX, quantize_static_ref
 
 SCORE = dict(task="score", labels=["yes", "no"], max_texts=4, max_text_tokens=32)
 BEAM = dict(task="beam", beam_width=4, new_tokens=3, max_prompt_tokens=24)
@@ -56,8 +62,10 @@ def test_calibration_records_each_linear_input_and_fp8_static_swaps_qkv_and_the_
     engine = engine_for(ckpt, **SCORE, precision="bf16")
     model, texts = engine.graph.model, [["search engines rank documents"], ["a b c d e f g"]]
     seen = {}
-    hooks = [lin.register_forward_pre_hook(lambda m, a: seen.__setitem__(m, max(seen.get(m, 0.0), a[0].abs().max().item())))
-             for lin in static_linears(model)]
+    hooks = [
+        lin.register_forward_pre_hook(lambda m, a: seen.__setitem__(m, max(seen.get(m, 0.0), a[0].abs().max().item())))
+        for lin in static_linears(model)
+    ]
     amax = calibrate(model, lambda: [engine.run([t]) for t in texts])
     for h in hooks:
         h.remove()

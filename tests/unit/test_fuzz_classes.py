@@ -9,9 +9,9 @@ import subprocess
 import sys
 
 import pytest
+from conftest import SCORE_TASK
 
 from bench.reliability import MAX_ERROR_BYTES, PYTHON_WORDS
-from conftest import SCORE_TASK
 from slm_core import Engine, InputError
 from slm_core.serve.protocol import Request, respond_batch
 from slm_core.spec import TaskSpec
@@ -40,22 +40,34 @@ def test_an_error_reply_is_bounded_whatever_the_request_holds():
     assert status == 400 and message.startswith('unknown fields "kkkk') and len(message) < 200
 
 
-@pytest.mark.parametrize("value, words", [
-    ({}, "got an object"), (1.5, "got a number"), (None, "got null"), (True, "got a boolean"), ("a", "got a string"),
-    ([None], "texts[0] must be a string, got null"), ([{"a": 1}], "texts[0] must be a string, got an object")])
+@pytest.mark.parametrize(
+    "value, words",
+    [
+        ({}, "got an object"),
+        (1.5, "got a number"),
+        (None, "got null"),
+        (True, "got a boolean"),
+        ("a", "got a string"),
+        ([None], "texts[0] must be a string, got null"),
+        ([{"a": 1}], "texts[0] must be a string, got an object"),
+    ],
+)
 def test_errors_name_json_types_not_pythons(value, words):
     status, message = reply(json.dumps({"texts": value}).encode())
     assert status == 400 and words in message and not PYTHON_WORDS.search(message), message
 
 
-@pytest.mark.parametrize("body, words", [
-    (b'{"texts": [' + b"7" * 5000 + b"]}", "a number of more than 32 digits"),
-    (b'{"texts": [' + b"7" * 40 + b"]}", "a number of 40 digits (at most 32)"),
-    (b'{"texts": ["a"], "x": [[-' + b"7" * 33 + b"]]}", "a number of 33 digits (at most 32)"),
-    (b"[" * 100_000 + b"]" * 100_000, "nests arrays or objects too deeply"),
-    (b'{"texts": [Infinity]}', "holds Infinity, which is not JSON"),
-    (b'{"texts": ["a",]}', "not valid JSON: Expecting value at character 15"),
-])
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        (b'{"texts": [' + b"7" * 5000 + b"]}", "a number of more than 32 digits"),
+        (b'{"texts": [' + b"7" * 40 + b"]}", "a number of 40 digits (at most 32)"),
+        (b'{"texts": ["a"], "x": [[-' + b"7" * 33 + b"]]}", "a number of 33 digits (at most 32)"),
+        (b"[" * 100_000 + b"]" * 100_000, "nests arrays or objects too deeply"),
+        (b'{"texts": [Infinity]}', "holds Infinity, which is not JSON"),
+        (b'{"texts": ["a",]}', "not valid JSON: Expecting value at character 15"),
+    ],
+)
 def test_parser_limits_are_named_in_the_protocols_terms(body, words):
     status, message = reply(body)
     assert status == 400 and words in message and not PYTHON_WORDS.search(message), message
@@ -102,8 +114,9 @@ def test_special_tokens_in_user_text_are_plain_text(smollm2):
 def test_a_field_name_utf8_cannot_carry_is_escaped_in_its_error_and_hurts_no_other_request():
     """A key written "\\ud800" decodes to a lone surrogate: its 400 escapes it, and the valid
     request batched with it is answered."""
-    good, bad = respond_batch(ENGINE, [Request({"body": b'{"texts": ["a"]}'}),
-                                       Request({"body": b'{"texts": ["a"], "\\udc80x": 1}'})])
+    good, bad = respond_batch(
+        ENGINE, [Request({"body": b'{"texts": ["a"]}'}), Request({"body": b'{"texts": ["a"], "\\udc80x": 1}'})]
+    )
     assert good.status == 200 and bad.status == 400 and b"\\\\udc80x" in bad.body
     assert reply(**{"\ud800": b"1"})[0] == 400  # a form field named so
 
@@ -116,8 +129,10 @@ def tokenizer(pre_tokenizer, normalizer=None, normalized=False):
     if normalizer is not None:
         tok.normalizer = normalizer
     tok.pre_tokenizer = pre_tokenizer
-    tok.train_from_iterator(["the quick brown fox user assistant jumps over the lazy dog", "hello world"] * 50,
-                            trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>"]))
+    tok.train_from_iterator(
+        ["the quick brown fox user assistant jumps over the lazy dog", "hello world"] * 50,
+        trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>"]),
+    )
     tok.add_special_tokens([AddedToken(s, normalized=normalized, special=True) for s in ("[INST]", "[/INST]", "<End>")])
     return tok
 
@@ -131,16 +146,22 @@ def test_special_tokens_are_found_by_id_and_refused_where_pieces_encode_otherwis
 
     from slm_core.tokenizer import PackedTokenizer
 
-    lower = PackedTokenizer(tokenizer(pre_tokenizers.Whitespace(), normalizers.Lowercase(), normalized=True),
-                            "[INST] user {text} [/INST] assistant", "{text}")
+    lower = PackedTokenizer(
+        tokenizer(pre_tokenizers.Whitespace(), normalizers.Lowercase(), normalized=True),
+        "[INST] user {text} [/INST] assistant",
+        "{text}",
+    )
     injected, plain = lower.encode(["hi <end> x", "hi there"])
     end = lower.tokenizer.token_to_id("<End>")
-    assert end not in injected and lower.tokenizer.encode("[INST] user hi <end> x [/INST] assistant").ids.count(end) == 1
+    assert (
+        end not in injected and lower.tokenizer.encode("[INST] user hi <end> x [/INST] assistant").ids.count(end) == 1
+    )
     assert plain == lower.tokenizer.encode("[INST] user hi there [/INST] assistant").ids
     unknown = PackedTokenizer(tokenizer(pre_tokenizers.Whitespace()), "[INST] user Ω {text} [/INST]", "{text}")
     assert unknown._segments == [("[INST]", False), (" user Ω {text} ", True), ("[/INST]", False)]
-    marks = PackedTokenizer(tokenizer(pre_tokenizers.Metaspace(prepend_scheme="first")),
-                            "[INST]user {text}[/INST]assistant", "{text}")
+    marks = PackedTokenizer(
+        tokenizer(pre_tokenizers.Metaspace(prepend_scheme="first")), "[INST]user {text}[/INST]assistant", "{text}"
+    )
     fine, refused = marks.encode(["hello", "hi [/INST] x"])
     assert fine == marks.tokenizer.encode("[INST]user hello[/INST]assistant").ids
     assert isinstance(refused, InputError) and "allow_special_tokens" in str(refused)
@@ -157,8 +178,10 @@ def test_a_package_extraction_is_removed_once_its_process_is_gone(archives, tmp_
     root = tmp_path / f"slm-aoti-{os.getuid()}"
 
     def run(ending: str) -> list[str]:
-        code = ("import os, sys\nfrom slm_core.serve.loader import load_graph\ng = load_graph(sys.argv[1])\n"
-                f"print(' '.join(sorted(os.listdir({str(root)!r}))), flush=True)\n" + ending)
+        code = (
+            "import os, sys\nfrom slm_core.serve.loader import load_graph\ng = load_graph(sys.argv[1])\n"
+            f"print(' '.join(sorted(os.listdir({str(root)!r}))), flush=True)\n" + ending
+        )
         out = subprocess.run([sys.executable, "-c", code, graph], env=env, capture_output=True, text=True, check=True)
         return out.stdout.split()
 
@@ -175,9 +198,18 @@ def test_a_package_extraction_is_removed_once_its_process_is_gone(archives, tmp_
     # Inductor's cache (a load compiles its CPU capability checks into it) stays under the TMPDIR
     # the processes started with, shared: the second one compiled nothing again
     assert first and compiled() == first
-    live = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom slm_core.serve.loader import load_graph\n"
-                             "g = load_graph(sys.argv[1])\nprint('loaded', flush=True)\ntime.sleep(60)", graph],
-                            env=env, stdout=subprocess.PIPE, text=True)
+    live = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\nfrom slm_core.serve.loader import load_graph\n"
+            "g = load_graph(sys.argv[1])\nprint('loaded', flush=True)\ntime.sleep(60)",
+            graph,
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert live.stdout.readline().strip() == "loaded"
         assert len(run("")) == 2  # a live process's directory is kept (its lock is held)

@@ -8,30 +8,55 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from conftest import SPECIALS, train_tokenizer
 from helpers import CLASSIFIER_TEXTS as TEXTS
 from helpers import engine_for, hf_embeddings, hf_score, text_ids
+
 from slm_core.compile.checkpoint import load_checkpoint
 
 CONFIGS = {
     # QKV bias, tied embeddings
-    "qwen2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen2": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
     # q/k RMSNorm, untied; a head size other than hidden / heads (transformers' GGUF loader takes
     # Qwen3's default, 128, which llama.cpp writes as key_length)
-    "qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=128, tie_word_embeddings=False),
+    "qwen3": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=128,
+        tie_word_embeddings=False,
+    ),
 }
-LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-         "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-         "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-         "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
-         "self_attn.v_proj.bias": "attn_v.bias", "self_attn.q_norm.weight": "attn_q_norm.weight",
-         "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
-         "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
-TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-       "lm_head.weight": "output.weight"}
+LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+TOP = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
 ADDED = "<think>"  # an added token that is not special (USER_DEFINED in GGUF)
 PROBES = TEXTS + ["prices 12345 and 6.78", "<|im_start|>user\nhi<|im_end|>", f"{ADDED} the fox", "  spaced\n\nlines  "]
 
@@ -91,8 +116,14 @@ def gguf_pair(request, tmp_path_factory):
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     tok.add_tokens([AddedToken(ADDED, normalized=False, special=False)])
     tok.save(str(folder / "tokenizer.json"))
-    cfg = AutoConfig.for_model(arch, vocab_size=tok.get_vocab_size(with_added_tokens=True), initializer_range=0.25,
-                               rms_norm_eps=1e-6, max_position_embeddings=1024, **CONFIGS[arch])
+    cfg = AutoConfig.for_model(
+        arch,
+        vocab_size=tok.get_vocab_size(with_added_tokens=True),
+        initializer_range=0.25,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=1024,
+        **CONFIGS[arch],
+    )
     torch.manual_seed(2)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     write_gguf(folder / "model.gguf", model, folder / "tokenizer.json", arch)
@@ -105,10 +136,18 @@ def test_hyperparameters_are_transformers(gguf_pair):
     arch, ckpt, hf, _ = gguf_pair
     spec, cfg = ckpt.spec, hf.config
     assert (spec.arch, spec.hidden_size, spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim) == (
-        arch, cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
-        getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        arch,
+        cfg.hidden_size,
+        cfg.num_hidden_layers,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+    )
     assert (spec.vocab_size, spec.intermediate_size, spec.tie_word_embeddings) == (
-        cfg.vocab_size, cfg.intermediate_size, cfg.tie_word_embeddings)
+        cfg.vocab_size,
+        cfg.intermediate_size,
+        cfg.tie_word_embeddings,
+    )
     assert spec.rope.theta == cfg.rope_parameters["rope_theta"] and spec.rms_norm_eps == pytest.approx(cfg.rms_norm_eps)
     assert (spec.qkv_bias, spec.qk_norm) == ((True, False) if arch == "qwen2" else (False, True))
     if arch == "qwen3":
@@ -122,14 +161,20 @@ def test_the_tokenizer_is_transformers_with_special_and_added_tokens(gguf_pair):
     ids = ckpt.tokenizer.encode(PROBES[-3]).ids
     assert [ckpt.tokenizer.id_to_token(i) for i in ids[:1]] == ["<|im_start|>"]  # special: matched whole
     assert ckpt.tokenizer.token_to_id(ADDED) in ckpt.tokenizer.encode(PROBES[-2]).ids  # added: matched whole
-    assert {s: ckpt.tokenizer.token_to_id(s) for s in SPECIALS} == {s: hf_tok.convert_tokens_to_ids(s) for s in SPECIALS}
+    assert {s: ckpt.tokenizer.token_to_id(s) for s in SPECIALS} == {
+        s: hf_tok.convert_tokens_to_ids(s) for s in SPECIALS
+    }
 
 
 def test_answers_are_transformers_on_the_same_file(gguf_pair):
     _, ckpt, hf, _ = gguf_pair
     engine = engine_for(ckpt, task="score", labels=["the", "a"], max_texts=8, max_text_tokens=64)
     ids = text_ids(engine, PROBES[:4])
-    torch.testing.assert_close(torch.tensor(engine.score(PROBES[:4])),
-                               torch.tensor(hf_score(hf, ids, engine.task.label_ids)), atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(engine.score(PROBES[:4])),
+        torch.tensor(hf_score(hf, ids, engine.task.label_ids)),
+        atol=1e-4,
+        rtol=0,
+    )
     embed = engine_for(ckpt, task="score", head="embedding", max_texts=8, max_text_tokens=64)
     torch.testing.assert_close(torch.tensor(embed.embed(PROBES[:4])), hf_embeddings(hf, ids), atol=1e-4, rtol=0)

@@ -1,9 +1,9 @@
 """The engine against HF transformers on the same weights, fp32 on CPU."""
 
 import pytest
-
 from conftest import CHAT
 from helpers import assert_same_beams, engine_for, hf_beam, hf_score, text_ids
+
 from slm_core.compile.checkpoint import load_checkpoint
 
 TEXTS = [
@@ -20,7 +20,9 @@ def test_smollm2_chat_template_matches_hf(smollm2):
     _, ckpt, _, hf_tok = smollm2
     eng = engine_for(ckpt, task="score", prompt_template=CHAT, labels=["Yes", "No"])
     for text in TEXTS:
-        ref = hf_tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+        ref = hf_tok.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
         assert eng.tokenizer.apply_template(text) == ref
         assert text_ids(eng, [text])[0] == hf_tok(ref).input_ids
 
@@ -48,8 +50,14 @@ SMOL_PROMPTS = [
 @pytest.mark.parametrize("new_tokens", [1, 3, 5])
 def test_smollm2_beam(smollm2, width, new_tokens):
     _, ckpt, hf, _ = smollm2
-    eng = engine_for(ckpt, task="beam", prompt_template=CHAT.replace("{text}", "{prompt}"), beam_width=width,
-                     new_tokens=new_tokens, stop=["<|im_end|>"])
+    eng = engine_for(
+        ckpt,
+        task="beam",
+        prompt_template=CHAT.replace("{text}", "{prompt}"),
+        beam_width=width,
+        new_tokens=new_tokens,
+        stop=["<|im_end|>"],
+    )
     stop = eng.task.stop_ids
     stopped = 0
     for prompt in SMOL_PROMPTS:
@@ -63,8 +71,13 @@ def test_smollm2_beam(smollm2, width, new_tokens):
 
 # --- random Qwen2 / Qwen3 / Llama (HF directories) -----------------------------------------------
 ARCHS = ["qwen2", "qwen3", "llama"]
-RANDOM_TEXTS = ["search", "a small language model scores texts", "is this query about shopping?",
-                "the lazy dog " * 12, "12, 345 and 6789"]
+RANDOM_TEXTS = [
+    "search",
+    "a small language model scores texts",
+    "is this query about shopping?",
+    "the lazy dog " * 12,
+    "12, 345 and 6789",
+]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -7,10 +7,10 @@ import struct
 
 import numpy as np
 import pytest
-
-from bench.reliability import PYTHON_WORDS
 from conftest import BEAM_TASK, SCORE_TASK
 from helpers import engine_for, write_catalog
+
+from bench.reliability import PYTHON_WORDS
 from slm_core.compile.checkpoint import load_checkpoint
 from slm_core.serve.kserve import metadata
 from slm_core.serve.protocol import Request, respond_batch
@@ -24,10 +24,14 @@ def engines(random_checkpoint, tmp_path_factory):
     ckpt = load_checkpoint(random_checkpoint("qwen3")[0])
     catalog = tmp_path_factory.mktemp("catalog") / "c.jsonl"
     write_catalog(catalog, [[10, 11], [12], [10, 13], [14, 15]])
-    return {"score": engine_for(ckpt, **SCORE_TASK), "beam": engine_for(ckpt, **BEAM_TASK),
-            "embedding": engine_for(ckpt, **{**SCORE_TASK, "head": "embedding", "labels": []}),
-            "catalog": engine_for(ckpt, **{**BEAM_TASK, "stop": [ckpt.tokenizer.decode([3])],
-                                           "catalog": str(catalog), "max_exclude": 4})}
+    return {
+        "score": engine_for(ckpt, **SCORE_TASK),
+        "beam": engine_for(ckpt, **BEAM_TASK),
+        "embedding": engine_for(ckpt, **{**SCORE_TASK, "head": "embedding", "labels": []}),
+        "catalog": engine_for(
+            ckpt, **{**BEAM_TASK, "stop": [ckpt.tokenizer.decode([3])], "catalog": str(catalog), "max_exclude": 4}
+        ),
+    }
 
 
 def ask(engine, *bodies, headers=None):
@@ -60,20 +64,29 @@ def test_a_batch_packs_requests_whole_into_calls_in_order(engines):
     """max_batch 3: a v1 body of 2, a native one, then a v2 one: calls of 3 and 1."""
     score = engines["score"]
     v2 = {"inputs": [{"name": "texts", "datatype": "BYTES", "shape": [1], "data": TEXTS[:1]}]}
-    answers, replies = ask(score, {"instances": [{"texts": TEXTS[:1]}, {"texts": TEXTS[1:2]}]}, {"texts": TEXTS[2:]}, v2)
+    answers, replies = ask(
+        score, {"instances": [{"texts": TEXTS[:1]}, {"texts": TEXTS[1:2]}]}, {"texts": TEXTS[2:]}, v2
+    )
     assert [s for s, _ in answers] == [200, 200, 200]
     assert replies[0].stats.call == replies[1].stats.call != replies[2].stats.call
     assert [r.stats.batch for r in replies] == [3, 3, 1]
 
 
-@pytest.mark.parametrize("body, status, words", [
-    ({"instances": []}, 400, "'instances' holds 0; send 1 to 3 (max_batch"),
-    ({"instances": [{"texts": ["a"]}] * 4}, 400, "'instances' holds 4; send 1 to 3"),
-    ({"instances": {"texts": ["a"]}}, 400, "'instances' must be an array of request bodies, got an object"),
-    ({"instances": [{"texts": ["a"]}, {"texts": 5}]}, 400, "instances[1]: 'texts' must be an array of strings, got a number"),
-    ({"instances": [{"texts": ["a"]}], "signature": 1}, 400, 'unknown fields "signature"'),
-    ({"instances": [{"texts": ["a" * 2000]}]}, 400, "instances[0]: texts[0] is "),
-])
+@pytest.mark.parametrize(
+    "body, status, words",
+    [
+        ({"instances": []}, 400, "'instances' holds 0; send 1 to 3 (max_batch"),
+        ({"instances": [{"texts": ["a"]}] * 4}, 400, "'instances' holds 4; send 1 to 3"),
+        ({"instances": {"texts": ["a"]}}, 400, "'instances' must be an array of request bodies, got an object"),
+        (
+            {"instances": [{"texts": ["a"]}, {"texts": 5}]},
+            400,
+            "instances[1]: 'texts' must be an array of strings, got a number",
+        ),
+        ({"instances": [{"texts": ["a"]}], "signature": 1}, 400, 'unknown fields "signature"'),
+        ({"instances": [{"texts": ["a" * 2000]}]}, 400, "instances[0]: texts[0] is "),
+    ],
+)
 def test_v1_bad_bodies_are_named(engines, body, status, words):
     [(got, reply)], _ = ask(engines["score"], body)
     assert got == status and words in reply["error"] and not PYTHON_WORDS.search(reply["error"]), reply
@@ -81,8 +94,11 @@ def test_v1_bad_bodies_are_named(engines, body, status, words):
 
 def test_v2_score_answers_as_tensors(engines):
     score = engines["score"]
-    body = {"id": "r-1", "model_name": "tiny",  # as kserve's client writes it
-            "inputs": [{"name": "texts", "datatype": "BYTES", "shape": [3], "data": TEXTS}]}
+    body = {
+        "id": "r-1",
+        "model_name": "tiny",  # as kserve's client writes it
+        "inputs": [{"name": "texts", "datatype": "BYTES", "shape": [3], "data": TEXTS}],
+    }
     [(status, reply)], _ = ask(score, body)
     want = native(score, {"texts": TEXTS})
     assert status == 200 and reply["id"] == "r-1" and (reply["model_name"], reply["model_version"]) == MODEL
@@ -91,18 +107,26 @@ def test_v2_score_answers_as_tensors(engines):
     assert out["scores"]["shape"] == [3, 2] and out["scores"]["datatype"] == "FP32"
     assert np.allclose(np.reshape(out["scores"]["data"], (3, 2)), want["scores"], atol=0, rtol=0)
     # nested data, and one output asked for
-    body = {"inputs": [{"name": "texts", "datatype": "BYTES", "shape": [3], "data": [[TEXTS[0]], [TEXTS[1], [TEXTS[2]]]]}],
-            "outputs": [{"name": "scores"}]}
+    body = {
+        "inputs": [{"name": "texts", "datatype": "BYTES", "shape": [3], "data": [[TEXTS[0]], [TEXTS[1], [TEXTS[2]]]]}],
+        "outputs": [{"name": "scores"}],
+    }
     [(status, reply)], _ = ask(score, body)
     assert status == 200 and "id" not in reply and [o["name"] for o in reply["outputs"]] == ["scores"]
-    assert metadata(score.task) == {"inputs": [{"name": "texts", "datatype": "BYTES", "shape": [-1]}],
-                                    "outputs": [{"name": "labels", "datatype": "BYTES", "shape": [2]},
-                                                {"name": "scores", "datatype": "FP32", "shape": [-1, 2]}]}
+    assert metadata(score.task) == {
+        "inputs": [{"name": "texts", "datatype": "BYTES", "shape": [-1]}],
+        "outputs": [
+            {"name": "labels", "datatype": "BYTES", "shape": [2]},
+            {"name": "scores", "datatype": "FP32", "shape": [-1, 2]},
+        ],
+    }
 
 
 def test_v2_embeddings_are_one_fp32_tensor(engines):
     eng = engines["embedding"]
-    [(status, reply)], _ = ask(eng, {"inputs": [{"name": "texts", "datatype": "BYTES", "shape": [2], "data": TEXTS[:2]}]})
+    [(status, reply)], _ = ask(
+        eng, {"inputs": [{"name": "texts", "datatype": "BYTES", "shape": [2], "data": TEXTS[:2]}]}
+    )
     want = np.asarray(native(eng, {"texts": TEXTS[:2]})["embeddings"])
     (out,) = reply["outputs"]
     assert status == 200 and out["name"] == "embeddings" and out["shape"] == list(want.shape)
@@ -111,9 +135,11 @@ def test_v2_embeddings_are_one_fp32_tensor(engines):
 
 def test_v2_beam_with_settings_pads_token_ids(engines):
     beam = engines["beam"]
-    inputs = [{"name": "prompt", "datatype": "BYTES", "shape": [1], "data": ["search engines rank"]},
-              {"name": "beam_width", "datatype": "INT64", "shape": [1], "data": [3]},
-              {"name": "new_tokens", "datatype": "INT8", "shape": [1], "data": [2]}]
+    inputs = [
+        {"name": "prompt", "datatype": "BYTES", "shape": [1], "data": ["search engines rank"]},
+        {"name": "beam_width", "datatype": "INT64", "shape": [1], "data": [3]},
+        {"name": "new_tokens", "datatype": "INT8", "shape": [1], "data": [2]},
+    ]
     [(status, reply)], _ = ask(beam, {"inputs": inputs})
     want = native(beam, {"prompt": "search engines rank", "beam_width": 3, "new_tokens": 2})["candidates"]
     out = by_name(reply)
@@ -127,12 +153,16 @@ def test_v2_beam_with_settings_pads_token_ids(engines):
 def test_v2_catalog_names_items_and_unknown_excludes(engines):
     eng = engines["catalog"]
     first = native(eng, {"prompt": "rank"})["candidates"][0]["id"]
-    inputs = [{"name": "prompt", "datatype": "BYTES", "shape": [1], "data": ["rank"]},
-              {"name": "exclude", "datatype": "BYTES", "shape": [2], "data": [first, "nope"]}]
+    inputs = [
+        {"name": "prompt", "datatype": "BYTES", "shape": [1], "data": ["rank"]},
+        {"name": "exclude", "datatype": "BYTES", "shape": [2], "data": [first, "nope"]},
+    ]
     [(status, reply)], _ = ask(eng, {"inputs": inputs})
     want = native(eng, {"prompt": "rank", "exclude": [first, "nope"]})
     out = by_name(reply)
-    assert status == 200 and out["id"]["data"] == [c["id"] for c in want["candidates"]] and first not in out["id"]["data"]
+    assert (
+        status == 200 and out["id"]["data"] == [c["id"] for c in want["candidates"]] and first not in out["id"]["data"]
+    )
     assert out["unknown_exclude"] == {"name": "unknown_exclude", "datatype": "INT64", "shape": [1], "data": [1]}
     [(status, reply)], _ = ask(eng, {"inputs": inputs[:1]})
     assert status == 200 and "unknown_exclude" not in by_name(reply)
@@ -150,8 +180,12 @@ def strings(values: list[str]) -> bytes:
 def test_v2_binary_inputs_equal_json_inputs(engines):
     beam = engines["beam"]
     chunks = [strings(["search engines rank"]), np.array([2], "<i4").tobytes()]
-    header = {"inputs": [{"name": "prompt", "datatype": "BYTES", "shape": [1], "parameters": {"binary_data_size": len(chunks[0])}},
-                         {"name": "top", "datatype": "INT32", "shape": [1], "parameters": {"binary_data_size": 4}}]}
+    header = {
+        "inputs": [
+            {"name": "prompt", "datatype": "BYTES", "shape": [1], "parameters": {"binary_data_size": len(chunks[0])}},
+            {"name": "top", "datatype": "INT32", "shape": [1], "parameters": {"binary_data_size": 4}},
+        ]
+    }
     raw = binary_body(header, *chunks)
     size = str(len(json.dumps(header).encode()))
     [(status, reply)], _ = ask(beam, raw, headers={"inference-header-content-length": size})
@@ -160,36 +194,49 @@ def test_v2_binary_inputs_equal_json_inputs(engines):
     # a score request's texts, binary, in the same batch as a JSON one
     score = engines["score"]
     blob = strings(TEXTS)
-    header = {"inputs": [{"name": "texts", "datatype": "BYTES", "shape": [3], "parameters": {"binary_data_size": len(blob)}}]}
-    [(status, reply)], _ = ask(score, binary_body(header, blob),
-                               headers={"inference-header-content-length": str(len(json.dumps(header)))})
-    assert status == 200 and by_name(reply)["scores"]["data"] == [p for row in native(score, {"texts": TEXTS})["scores"] for p in row]
+    header = {
+        "inputs": [{"name": "texts", "datatype": "BYTES", "shape": [3], "parameters": {"binary_data_size": len(blob)}}]
+    }
+    [(status, reply)], _ = ask(
+        score, binary_body(header, blob), headers={"inference-header-content-length": str(len(json.dumps(header)))}
+    )
+    assert status == 200 and by_name(reply)["scores"]["data"] == [
+        p for row in native(score, {"texts": TEXTS})["scores"] for p in row
+    ]
 
 
 def texts_input(**change):
     return {"inputs": [{"name": "texts", "datatype": "BYTES", "shape": [1], "data": ["a"], **change}]}
 
 
-@pytest.mark.parametrize("body, words", [
-    (texts_input(datatype="FP32"), "inputs[0] ('texts'): 'datatype' must be BYTES, got 'FP32'"),
-    (texts_input(shape=[1, 1]), "'shape' must be [-1] (-1: any size), got [1, 1]"),
-    (texts_input(shape=[2]), "'data' holds 1 values, shape [2] needs 2"),
-    (texts_input(shape=[-1]), "'shape' must be an array of at most 4 sizes"),
-    (texts_input(shape=[2**70]), "'data' holds 1 values, shape [1180591620717411303424] needs 1180591620717411303424"),
-    (texts_input(data=[1]), "data[0] must be a string, got a number"),
-    (texts_input(name="text"), "inputs[0]: 'name' must be one of \"texts\", got \"text\""),
-    (texts_input(parameters={"binary_data_size": 5}), "has both 'data' and parameters.binary_data_size"),
-    ({"inputs": [{"name": "texts", "datatype": "BYTES", "shape": [1], "parameters": {"binary_data_size": 5}}]},
-     "binary_data_size must be an integer from 0 to the 0 binary bytes"),
-    ({"inputs": texts_input()["inputs"] * 2}, "'inputs' must be an array of 1 to 1 tensors"),
-    ({"inputs": []}, "'inputs' must be an array of 1 to 1 tensors"),
-    ({"inputs": "texts"}, "got a string"),
-    ({**texts_input(), "outputs": [{"name": "probs"}]}, "'outputs' names \"probs\"; this model's outputs are"),
-    ({**texts_input(), "id": 7}, "'id' must be a string, got a number"),
-    ({**texts_input(), "model": "x"}, 'unknown fields "model"'),
-    ({"inputs": [{"name": "texts", "datatype": "BYTES", "shape": [1]}]}, "has no 'data'"),
-    ({"inputs": [{"name": "texts", "datatype": "BYTES", "shape": [0], "data": []}]}, "'texts' is empty"),
-])
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        (texts_input(datatype="FP32"), "inputs[0] ('texts'): 'datatype' must be BYTES, got 'FP32'"),
+        (texts_input(shape=[1, 1]), "'shape' must be [-1] (-1: any size), got [1, 1]"),
+        (texts_input(shape=[2]), "'data' holds 1 values, shape [2] needs 2"),
+        (texts_input(shape=[-1]), "'shape' must be an array of at most 4 sizes"),
+        (
+            texts_input(shape=[2**70]),
+            "'data' holds 1 values, shape [1180591620717411303424] needs 1180591620717411303424",
+        ),
+        (texts_input(data=[1]), "data[0] must be a string, got a number"),
+        (texts_input(name="text"), 'inputs[0]: \'name\' must be one of "texts", got "text"'),
+        (texts_input(parameters={"binary_data_size": 5}), "has both 'data' and parameters.binary_data_size"),
+        (
+            {"inputs": [{"name": "texts", "datatype": "BYTES", "shape": [1], "parameters": {"binary_data_size": 5}}]},
+            "binary_data_size must be an integer from 0 to the 0 binary bytes",
+        ),
+        ({"inputs": texts_input()["inputs"] * 2}, "'inputs' must be an array of 1 to 1 tensors"),
+        ({"inputs": []}, "'inputs' must be an array of 1 to 1 tensors"),
+        ({"inputs": "texts"}, "got a string"),
+        ({**texts_input(), "outputs": [{"name": "probs"}]}, "'outputs' names \"probs\"; this model's outputs are"),
+        ({**texts_input(), "id": 7}, "'id' must be a string, got a number"),
+        ({**texts_input(), "model": "x"}, 'unknown fields "model"'),
+        ({"inputs": [{"name": "texts", "datatype": "BYTES", "shape": [1]}]}, "has no 'data'"),
+        ({"inputs": [{"name": "texts", "datatype": "BYTES", "shape": [0], "data": []}]}, "'texts' is empty"),
+    ],
+)
 def test_v2_bad_tensors_are_named(engines, body, words):
     [(status, reply)], _ = ask(engines["score"], body)
     assert status == 400 and words in reply["error"] and not PYTHON_WORDS.search(reply["error"]), reply
@@ -198,31 +245,43 @@ def test_v2_bad_tensors_are_named(engines, body, words):
 def test_v2_beam_bad_tensors_are_named(engines):
     beam = engines["beam"]
     prompt = {"name": "prompt", "datatype": "BYTES", "shape": [1], "data": ["x"]}
-    cases = [([{"name": "top", "datatype": "INT32", "shape": [1], "data": [2]}], "'inputs' lacks \"prompt\""),
-             ([prompt, {"name": "top", "datatype": "FP32", "shape": [1], "data": [2]}], "an integer datatype"),
-             ([prompt, {"name": "top", "datatype": "INT32", "shape": [1], "data": [99]}], "'top' must be an integer from 1 to 4"),
-             ([prompt, {"name": "top", "datatype": "INT32", "shape": [1], "data": [True]}], "must be an integer, got a boolean"),
-             ([prompt, prompt], "input 'prompt' is given twice")]
+    cases = [
+        ([{"name": "top", "datatype": "INT32", "shape": [1], "data": [2]}], "'inputs' lacks \"prompt\""),
+        ([prompt, {"name": "top", "datatype": "FP32", "shape": [1], "data": [2]}], "an integer datatype"),
+        (
+            [prompt, {"name": "top", "datatype": "INT32", "shape": [1], "data": [99]}],
+            "'top' must be an integer from 1 to 4",
+        ),
+        (
+            [prompt, {"name": "top", "datatype": "INT32", "shape": [1], "data": [True]}],
+            "must be an integer, got a boolean",
+        ),
+        ([prompt, prompt], "input 'prompt' is given twice"),
+    ]
     for inputs, words in cases:
         [(status, reply)], _ = ask(beam, {"inputs": inputs})
         assert status == 400 and words in reply["error"], (words, reply)
 
 
-@pytest.mark.parametrize("chunk, header, words", [
-    (strings(["ab"]), "x", "Inference-Header-Content-Length must be the JSON header's length"),
-    (strings(["ab"]), "100000", "Inference-Header-Content-Length must be the JSON header's length"),
-    (strings(["ab"]), "\u00b2", "Inference-Header-Content-Length must be the JSON header's length"),  # "²": a digit
-    (strings(["ab"]) + b"zz", None, "the binary body holds 2 bytes past the inputs' binary_data_size"),
-    (struct.pack("<I", 9) + b"ab", None, "is not 1 length-prefixed elements"),
-    (struct.pack("<I", 2) + b"\xff\xfe", None, "element 0 is not valid UTF-8 (byte 0)"),
-    (strings(["a", "b"]), None, "is not 1 length-prefixed elements"),
-])
+@pytest.mark.parametrize(
+    "chunk, header, words",
+    [
+        (strings(["ab"]), "x", "Inference-Header-Content-Length must be the JSON header's length"),
+        (strings(["ab"]), "100000", "Inference-Header-Content-Length must be the JSON header's length"),
+        (strings(["ab"]), "\u00b2", "Inference-Header-Content-Length must be the JSON header's length"),  # "²": a digit
+        (strings(["ab"]) + b"zz", None, "the binary body holds 2 bytes past the inputs' binary_data_size"),
+        (struct.pack("<I", 9) + b"ab", None, "is not 1 length-prefixed elements"),
+        (struct.pack("<I", 2) + b"\xff\xfe", None, "element 0 is not valid UTF-8 (byte 0)"),
+        (strings(["a", "b"]), None, "is not 1 length-prefixed elements"),
+    ],
+)
 def test_v2_bad_binary_bodies_are_named(engines, chunk, header, words):
     size = 6 if words.endswith("past the inputs' binary_data_size") else len(chunk)
     head = {"inputs": [{"name": "texts", "datatype": "BYTES", "shape": [1], "parameters": {"binary_data_size": size}}]}
     raw = binary_body(head, chunk)
-    [(status, reply)], _ = ask(engines["score"], raw,
-                               headers={"inference-header-content-length": header or str(len(json.dumps(head)))})
+    [(status, reply)], _ = ask(
+        engines["score"], raw, headers={"inference-header-content-length": header or str(len(json.dumps(head)))}
+    )
     assert status == 400 and words in reply["error"] and not PYTHON_WORDS.search(reply["error"]), reply
 
 

@@ -13,15 +13,17 @@ import time
 import numpy as np
 import pytest
 from aiohttp import web
-
 from deploy_env import DEPLOY
+
 from handlers.local_server import free_ports
 
 sys.path.insert(0, str(DEPLOY))  # the gateway is a script beside drain.py and ready.py, which it imports
 import kserve_gateway  # noqa: E402
 
-TENSORS = {"inputs": [{"name": "texts", "datatype": "BYTES", "shape": [-1]}],
-           "outputs": [{"name": "scores", "datatype": "FP32", "shape": [-1, 2]}]}
+TENSORS = {
+    "inputs": [{"name": "texts", "datatype": "BYTES", "shape": [-1]}],
+    "outputs": [{"name": "scores", "datatype": "FP32", "shape": [-1, 2]}],
+}
 
 
 def v2_echo(model: str, version: str, body: bytes, header_length: "str | None") -> tuple[bytes, "int | None"]:
@@ -37,11 +39,12 @@ def v2_echo(model: str, version: str, body: bytes, header_length: "str | None") 
             out["data"] = tensor["data"]
         else:
             out["parameters"] = {"binary_data_size": size}
-            chunks.append(binary[offset:offset + size])
+            chunks.append(binary[offset : offset + size])
             offset += size
         outputs.append(out)
-    header = json.dumps({"model_name": model, "model_version": version, "id": request.get("id", ""),
-                         "outputs": outputs}).encode()
+    header = json.dumps(
+        {"model_name": model, "model_version": version, "id": request.get("id", ""), "outputs": outputs}
+    ).encode()
     return header + b"".join(chunks), len(header) if chunks else None
 
 
@@ -57,12 +60,17 @@ class FakeTorchServe:
         self.calls: dict[str, int] = {}
 
     def describe(self, name: str, version: str, customized: bool) -> dict:
-        out = {"modelName": name, "modelVersion": version, "modelUrl": f"{name}.mar",
-               "workers": [{"id": str(9000 + i), "status": s} for i, s in enumerate(self.models[name][version])],
-               "jobQueueStatus": {"remainingCapacity": 100, "pendingRequests": 0}}
+        out = {
+            "modelName": name,
+            "modelVersion": version,
+            "modelUrl": f"{name}.mar",
+            "workers": [{"id": str(9000 + i), "status": s} for i, s in enumerate(self.models[name][version])],
+            "jobQueueStatus": {"remainingCapacity": 100, "pendingRequests": 0},
+        }
         if customized:  # TorchServe nests the handler's JSON object
             out["customizedMetadata"] = {"task": {"task": "score"}} | (
-                {"kserve": self.kserve[name]} if self.kserve[name] else {})
+                {"kserve": self.kserve[name]} if self.kserve[name] else {}
+            )
         return out
 
     async def management(self, request: web.Request) -> web.Response:
@@ -96,8 +104,9 @@ class FakeTorchServe:
             answer, length = v2_echo(name, version, body, request.headers.get("Inference-Header-Content-Length"))
             if length is not None:
                 headers["Inference-Header-Content-Length"] = str(length)
-            return web.Response(body=answer, headers=headers,
-                                content_type="application/octet-stream" if length else "application/json")
+            return web.Response(
+                body=answer, headers=headers, content_type="application/octet-stream" if length else "application/json"
+            )
         return web.Response(body=body, headers=headers, content_type=request.content_type)
 
 
@@ -107,6 +116,7 @@ def serve(loop: asyncio.AbstractEventLoop, app: web.Application, port: int = 0, 
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         return runner, runner.addresses[0][1]
+
     return asyncio.run_coroutine_threadsafe(start(), loop).result(10)
 
 
@@ -150,8 +160,9 @@ def stack(loop, tmp_path, monkeypatch):
     return port, fake, tmp_path / "draining"
 
 
-def call(port: int, method: str, path: str, body: "bytes | None" = None, headers: "dict | None" = None,
-         timeout: float = 5) -> tuple[int, dict, bytes]:
+def call(
+    port: int, method: str, path: str, body: "bytes | None" = None, headers: "dict | None" = None, timeout: float = 5
+) -> tuple[int, dict, bytes]:
     """(status, headers with lower-case names, body), the request's headers exactly as given."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
@@ -205,17 +216,33 @@ def test_readiness_follows_the_workers_and_the_drain(stack):
     assert get(port, "/v2/health/live") == (200, {"live": True})  # alive while it drains
 
 
-@pytest.mark.parametrize("path", ["/v1/models/ghost", "/v2/models/ghost/ready", "/v2/models/ghost",
-                                  "/v2/models/intent/versions/9.9", "/v2/models/intent/versions/9.9/ready"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/models/ghost",
+        "/v2/models/ghost/ready",
+        "/v2/models/ghost",
+        "/v2/models/intent/versions/9.9",
+        "/v2/models/intent/versions/9.9/ready",
+    ],
+)
 def test_an_unknown_model_or_version_is_404(stack, path):
     status, body = get(stack[0], path)
     assert status == 404 and "is not registered" in body["error"]
 
 
-@pytest.mark.parametrize("method, path", [
-    ("GET", "/v2/models/%2F"), ("GET", "/v2/models/intent%2F2.0/ready"), ("GET", "/v1/models/..%2Fmodels"),
-    ("GET", "/v2/models/intent/versions/1.0%2F..%2F2.0"), ("POST", "/v2/models/%2F/infer"),
-    ("POST", "/v1/models/intent%2F2.0:predict"), ("POST", "/v2/models/intent/versions/%2E%2E/infer")])
+@pytest.mark.parametrize(
+    "method, path",
+    [
+        ("GET", "/v2/models/%2F"),
+        ("GET", "/v2/models/intent%2F2.0/ready"),
+        ("GET", "/v1/models/..%2Fmodels"),
+        ("GET", "/v2/models/intent/versions/1.0%2F..%2F2.0"),
+        ("POST", "/v2/models/%2F/infer"),
+        ("POST", "/v1/models/intent%2F2.0:predict"),
+        ("POST", "/v2/models/intent/versions/%2E%2E/infer"),
+    ],
+)
 def test_a_name_no_model_can_have_is_404_and_reaches_nothing(stack, method, path):
     """TorchServe decodes a path before it splits it: "/models/%2F" is its model list, and
     "intent%2F2.0" another version. The gateway answers such names itself, as torch-model-archiver
@@ -244,8 +271,10 @@ def test_v2_model_metadata_from_the_handlers_description(stack):
     assert get(port, "/v2/models/intent") == (200, expected)
     assert get(port, "/v2/models/intent/versions/2.0") == (200, expected)
     # a description without the "kserve" key: no tensors to name
-    assert get(port, "/v2/models/complete") == (200, {"name": "complete", "versions": ["1.0"],
-                                                      "platform": "slm-serve", "inputs": [], "outputs": []})
+    assert get(port, "/v2/models/complete") == (
+        200,
+        {"name": "complete", "versions": ["1.0"], "platform": "slm-serve", "inputs": [], "outputs": []},
+    )
     get(port, "/v2/models/intent")
     # the description (a worker answers it) once per version; the state each time (STATE_S 0 here)
     assert fake.calls["/models/intent/1.0?customized=true"] == 1
@@ -266,15 +295,18 @@ def test_management_answers_are_kept_for_a_second(stack, monkeypatch):
     assert get(port, "/v1/models/intent")[0] == 503
 
 
-@pytest.mark.parametrize("method, path, reaches", [
-    ("POST", "/v1/models/intent:predict", "/predictions/intent"),
-    ("POST", "/v2/models/intent/infer", "/predictions/intent"),
-    ("POST", "/v2/models/intent/versions/2.0/infer", "/predictions/intent/2.0"),
-    ("POST", "/v2/models/intent/infer?trace=1", "/predictions/intent?trace=1"),
-    ("POST", "/predictions/intent", "/predictions/intent"),
-    ("POST", "/predictions/intent/1.0?x=%2F", "/predictions/intent/1.0?x=%2F"),
-    ("GET", "/ping", "/ping"),
-])
+@pytest.mark.parametrize(
+    "method, path, reaches",
+    [
+        ("POST", "/v1/models/intent:predict", "/predictions/intent"),
+        ("POST", "/v2/models/intent/infer", "/predictions/intent"),
+        ("POST", "/v2/models/intent/versions/2.0/infer", "/predictions/intent/2.0"),
+        ("POST", "/v2/models/intent/infer?trace=1", "/predictions/intent?trace=1"),
+        ("POST", "/predictions/intent", "/predictions/intent"),
+        ("POST", "/predictions/intent/1.0?x=%2F", "/predictions/intent/1.0?x=%2F"),
+        ("GET", "/ping", "/ping"),
+    ],
+)
 def test_rewrites_kserve_inference_paths_to_predictions(stack, method, path, reaches):
     port, fake, _ = stack
     body = b'{"texts": ["cheap flights"]}' if method == "POST" else None
@@ -286,13 +318,26 @@ def test_rewrites_kserve_inference_paths_to_predictions(stack, method, path, rea
 
 def test_passes_headers_and_binary_bytes_both_ways(stack):
     port, fake, _ = stack
-    header = json.dumps({"inputs": [{"name": "x", "datatype": "BYTES", "shape": [1],
-                                     "parameters": {"binary_data_size": 256}}]}).encode()
+    header = json.dumps(
+        {"inputs": [{"name": "x", "datatype": "BYTES", "shape": [1], "parameters": {"binary_data_size": 256}}]}
+    ).encode()
     raw = bytes(range(256))  # every byte value, NUL and invalid UTF-8 among them
-    status, headers, answer = call(port, "POST", "/v2/models/intent/infer", header + raw, {
-        "Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(len(header)),
-        "X-Slm-Deadline-Ms": "50", "Connection": "keep-alive, X-Hop", "X-Hop": "1", "Keep-Alive": "timeout=5",
-        "Proxy-Authorization": "Basic eA==", "TE": "trailers"})
+    status, headers, answer = call(
+        port,
+        "POST",
+        "/v2/models/intent/infer",
+        header + raw,
+        {
+            "Content-Type": "application/octet-stream",
+            "Inference-Header-Content-Length": str(len(header)),
+            "X-Slm-Deadline-Ms": "50",
+            "Connection": "keep-alive, X-Hop",
+            "X-Hop": "1",
+            "Keep-Alive": "timeout=5",
+            "Proxy-Authorization": "Basic eA==",
+            "TE": "trailers",
+        },
+    )
     assert status == 200
     [(_, _, sent, body)] = fake.got
     sent = {k.lower(): v for k, v in sent.items()}
@@ -300,8 +345,18 @@ def test_passes_headers_and_binary_bytes_both_ways(stack):
     assert sent["x-slm-deadline-ms"] == "50" and sent["inference-header-content-length"] == str(len(header))
     assert sent["content-type"] == "application/octet-stream"
     # no hop-by-hop header, none added (http.client sends Accept-Encoding: identity itself)
-    assert set(sent) == {"host", "content-length", "content-type", "inference-header-content-length",
-                         "x-slm-deadline-ms", "accept-encoding"} and sent["accept-encoding"] == "identity"
+    assert (
+        set(sent)
+        == {
+            "host",
+            "content-length",
+            "content-type",
+            "inference-header-content-length",
+            "x-slm-deadline-ms",
+            "accept-encoding",
+        }
+        and sent["accept-encoding"] == "identity"
+    )
     # back: TorchServe's headers, less the hop-by-hop ones
     length = int(headers["inference-header-content-length"])
     assert json.loads(answer[:length])["outputs"][0]["parameters"] == {"binary_data_size": 256}
@@ -317,7 +372,7 @@ def test_a_body_past_torchserves_bound_is_413_and_below_it_passes_whole(stack):
     assert status == 200 and answer == big and fake.got[0][3] == big
     over = b"x" * (kserve_gateway.MAX_BODY + 1)
     # with a Content-Length, and chunked (none: http.client sends an iterable so)
-    for body in (over, iter([over[:2**20]] * (len(over) // 2**20 + 1))):
+    for body in (over, iter([over[: 2**20]] * (len(over) // 2**20 + 1))):
         status, headers, answer = call(port, "POST", "/predictions/intent", body)
         assert status == 413 and "at most" in json.loads(answer)["error"]
     assert len(fake.got) == 1  # neither reached TorchServe
@@ -336,11 +391,18 @@ def test_a_body_that_does_not_arrive_is_408_and_reaches_nothing(stack, monkeypat
     assert time.monotonic() - start < 5 and fake.got == []
 
 
-@pytest.mark.parametrize("method, path, status", [
-    ("GET", "/v2/nothing", 404), ("GET", "/v1", 404), ("GET", "/v2/models/intent/config", 404),
-    ("PUT", "/v2/models/intent/infer", 405), ("GET", "/v1/models/intent:predict", 405),
-    ("DELETE", "/v2/health/live", 405), ("POST", "/v2/health/ready", 405),
-])
+@pytest.mark.parametrize(
+    "method, path, status",
+    [
+        ("GET", "/v2/nothing", 404),
+        ("GET", "/v1", 404),
+        ("GET", "/v2/models/intent/config", 404),
+        ("PUT", "/v2/models/intent/infer", 405),
+        ("GET", "/v1/models/intent:predict", 405),
+        ("DELETE", "/v2/health/live", 405),
+        ("POST", "/v2/health/ready", 405),
+    ],
+)
 def test_other_kserve_paths_are_json_errors(stack, method, path, status):
     port, fake, _ = stack
     got, headers, body = call(port, method, path, b"{}" if method in ("POST", "PUT") else None)
@@ -366,9 +428,14 @@ def test_torchserve_down_is_answered_at_once(loop, tmp_path, monkeypatch):
     monkeypatch.setenv("DRAIN_FILE", str(tmp_path / "draining"))
     inference, management = free_ports(2)
     port = start_gateway(loop, f"http://127.0.0.1:{inference}", f"http://127.0.0.1:{management}")
-    for method, path, expected in [("POST", "/v2/models/intent/infer", 502), ("GET", "/ping", 502),
-                                   ("GET", "/v2/health/ready", 503), ("GET", "/v1/models/intent", 503),
-                                   ("GET", "/v2/models/intent", 503), ("GET", "/v1/models", 503)]:
+    for method, path, expected in [
+        ("POST", "/v2/models/intent/infer", 502),
+        ("GET", "/ping", 502),
+        ("GET", "/v2/health/ready", 503),
+        ("GET", "/v1/models/intent", 503),
+        ("GET", "/v2/models/intent", 503),
+        ("GET", "/v1/models", 503),
+    ]:
         status, headers, body = call(port, method, path, b"{}" if method == "POST" else None, timeout=5)
         assert status == expected and "TorchServe" in json.loads(body)["error"], (path, body)
     assert get(port, "/v2/health/live") == (200, {"live": True})

@@ -48,9 +48,16 @@ def test_serve_time_modules_import_no_build_time_module(path):
 
 def test_the_halves_cover_the_engine():
     """Every module of slm_core is in one half: a new folder or module is sorted by where it lies."""
-    assert len(SERVE_TIME) > 20 and (CORE / "catalog.py") in SERVE_TIME and (CORE / "compile" / "model.py") not in SERVE_TIME
+    assert (
+        len(SERVE_TIME) > 20
+        and (CORE / "catalog.py") in SERVE_TIME
+        and (CORE / "compile" / "model.py") not in SERVE_TIME
+    )
     assert {p.relative_to(CORE).parts[0] for p in CORE.rglob("*.py") if len(p.relative_to(CORE).parts) > 1} == {
-        "compile", "serve", "tasks"}, "a new folder in slm_core: say which half it belongs to here"
+        "compile",
+        "serve",
+        "tasks",
+    }, "a new folder in slm_core: say which half it belongs to here"
 
 
 def test_the_engine_core_never_imports_torchserve():
@@ -78,7 +85,9 @@ def test_no_branch_on_the_task_kind_outside_the_task_modules():
 def test_the_check_finds_what_it_looks_for(tmp_path):
     """The checks above fail on code that breaks them (each scanner sees such a line)."""
     bad = tmp_path / "bad.py"
-    bad.write_text("def f(task):\n    from slm_core.compile.model import Transformer\n    return task.task == 'score'\n")
+    bad.write_text(
+        "def f(task):\n    from slm_core.compile.model import Transformer\n    return task.task == 'score'\n"
+    )
     tree = ast.parse(bad.read_text())
     assert [n for n, _ in imports(tree)][0] == "slm_core.compile.model"
     compares = [n for n in ast.walk(tree) if isinstance(n, ast.Compare)]

@@ -5,10 +5,10 @@ over transformers' last hidden state (random Qwen3, fp32, CPU); the file's error
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
-
 from helpers import CLASSIFIER_TEXTS as TEXTS
 from helpers import hf_embeddings, text_ids, write_mlp
+from safetensors.torch import save_file
+
 from slm_core import Engine
 from slm_core.errors import SpecError
 
@@ -45,8 +45,9 @@ def test_mlp_head_over_a_cut_normalised_embedding_with_the_tasks_labels(tmp_path
     engine = Engine.from_checkpoint(folder, {**spec, "labels": ["no", "yes"]})
     assert engine.task.labels == ["no", "yes"]
     embeddings = F.normalize(hf_embeddings(model, text_ids(engine, TEXTS))[:, :16], dim=-1)
-    torch.testing.assert_close(torch.tensor(engine.score(TEXTS)), reference(embeddings, layers, "relu", False),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(engine.score(TEXTS)), reference(embeddings, layers, "relu", False), atol=1e-5, rtol=0
+    )
 
 
 def test_a_head_that_does_not_fit_is_a_build_error_that_says_what(tmp_path, random_checkpoint):

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import BEAM_TASK, SCORE_TASK
+
 from slm_core import Engine, SpecError
 from slm_core.manifest import MANIFEST
 from slm_core.serve.loader import load_package
@@ -101,8 +101,24 @@ def test_configure_writes_a_new_archive_of_the_same_package(archives, tmp_path):
     taken = Path(tempfile.gettempdir()) / "tiny_x2"
     taken.write_text("another build's")
     try:
-        assert main(["configure", "--archive", str(src), "--export-path", str(tmp_path), "--model-name", "tiny_x2",
-                     "--workers", "2", "--queue", "7"]) == 0
+        assert (
+            main(
+                [
+                    "configure",
+                    "--archive",
+                    str(src),
+                    "--export-path",
+                    str(tmp_path),
+                    "--model-name",
+                    "tiny_x2",
+                    "--workers",
+                    "2",
+                    "--queue",
+                    "7",
+                ]
+            )
+            == 0
+        )
         assert taken.read_text() == "another build's"
     finally:
         taken.unlink()
@@ -111,11 +127,14 @@ def test_configure_writes_a_new_archive_of_the_same_package(archives, tmp_path):
     with zipfile.ZipFile(src) as a, zipfile.ZipFile(tmp_path / "tiny_x2.mar") as b:
         same = [n for n in a.namelist() if not n.startswith("MAR-INF/") and n != "model-config.yaml"]
         assert "slm_handler.py" in same  # the archive's own handler, beside the sources it was built with
-        assert sorted(same) == sorted(n for n in b.namelist() if not n.startswith("MAR-INF/") and n != "model-config.yaml")
+        assert sorted(same) == sorted(
+            n for n in b.namelist() if not n.startswith("MAR-INF/") and n != "model-config.yaml"
+        )
         assert all(a.read(n) == b.read(n) for n in same)
     zipfile.ZipFile(tmp_path / "tiny_x2.mar").extractall(tmp_path / "unpacked")
     assert Engine.from_package(tmp_path / "unpacked").score(TEXTS[:2]) == Engine.from_package(
-        archives["tiny_score"]).score(TEXTS[:2])
+        archives["tiny_score"]
+    ).score(TEXTS[:2])
     # refused: writing over its source, and a package of another format (rebuild)
     assert main(["configure", "--archive", str(src), "--export-path", str(src.parent)]) == 2
     old = tmp_path / "old.mar"
@@ -179,8 +198,11 @@ def test_the_cli_refuses_bad_serving_flags_before_loading_anything(capsys):
         with pytest.raises(SystemExit):
             main(base + argv)
     # refused before anything is loaded or compiled (the checkpoint "x" does not exist)
-    for argv, message in ((["--batch-delay-ms", "0"], "waits 100 ms"), (["--workers", "0"], "workers must be"),
-                          (["--device-ids", "0,0"], "distinct and not negative")):
+    for argv, message in (
+        (["--batch-delay-ms", "0"], "waits 100 ms"),
+        (["--workers", "0"], "workers must be"),
+        (["--device-ids", "0,0"], "distinct and not negative"),
+    ):
         assert main(base + argv) == 2
         assert message in capsys.readouterr().err
     assert main(base) == 2 and "t.yaml" in capsys.readouterr().err
@@ -214,4 +236,3 @@ def test_the_build_says_where_the_compile_time_went(tmp_path):
         assert "compile_file" in phases, line
         assert list(map(float, phases.values())) == sorted(map(float, phases.values()), reverse=True)
         assert float(phases["compile_file"]) <= seconds + 0.1  # this compile's, not the process's so far
-

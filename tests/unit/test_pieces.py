@@ -12,16 +12,51 @@ from tokenizers import AddedToken, Regex, Tokenizer, normalizers, pre_tokenizers
 
 from slm_core.pieces import LLAMA3_SPLIT, QWEN2_SPLIT, Pieces, cut, tokenizer_threads
 
-WORDS = ["Cheap", "flights", "to", "Rome", "x2", "12", "345", "3.14", "don't", "WE'LL", "it's", "a-b", "c_d",
-         "(per", "item)", ",", ".", "!!", "--", "日本語", "ünïcödé", "🤖", "½", "e.g.", "U.S.A.", "<|im_end|>",
-         "<|im_start|>user", "Ω≈ç", "naïve", "ﬁne", "Ａｂｃ", "hello", "World", "a", "I"]
+WORDS = [
+    "Cheap",
+    "flights",
+    "to",
+    "Rome",
+    "x2",
+    "12",
+    "345",
+    "3.14",
+    "don't",
+    "WE'LL",
+    "it's",
+    "a-b",
+    "c_d",
+    "(per",
+    "item)",
+    ",",
+    ".",
+    "!!",
+    "--",
+    "日本語",
+    "ünïcödé",
+    "🤖",
+    "½",
+    "e.g.",
+    "U.S.A.",
+    "<|im_end|>",
+    "<|im_start|>user",
+    "Ω≈ç",
+    "naïve",
+    "ﬁne",
+    "Ａｂｃ",
+    "hello",
+    "World",
+    "a",
+    "I",
+]
 SEPARATORS = [" "] * 12 + ["  ", "   ", "\n", "\n\n", "\t", "\r\n", " \n ", "", "\u00a0", "\u200b"]
 
 
 def texts(seed: int, count: int = 60) -> list[str]:
     rng = random.Random(seed)
-    return ["".join(rng.choice(WORDS) + rng.choice(SEPARATORS) for _ in range(rng.randint(1, 400)))
-            for _ in range(count)]
+    return [
+        "".join(rng.choice(WORDS) + rng.choice(SEPARATORS) for _ in range(rng.randint(1, 400))) for _ in range(count)
+    ]
 
 
 def with_pre_tokenizer(tok: Tokenizer, pre, normalizer=None) -> Tokenizer:
@@ -32,8 +67,12 @@ def with_pre_tokenizer(tok: Tokenizer, pre, normalizer=None) -> Tokenizer:
 
 
 def split(pattern: str):
-    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
-                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
 
 
 CUTTABLE = {  # each from a fresh SmolLM2 tokenizer (GPT-2's ByteLevel split, digits apart)
@@ -62,9 +101,10 @@ def test_pieces_encode_as_the_whole_text(name, byte_level):
 def test_a_post_processors_ids_go_around_the_pieces(byte_level):
     tok = byte_level()
     bos = tok.token_to_id("<|im_start|>")
-    tok.post_processor = processors.TemplateProcessing(single="<|im_start|> $A <|im_end|>",
-                                                       special_tokens=[("<|im_start|>", bos),
-                                                                       ("<|im_end|>", tok.token_to_id("<|im_end|>"))])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A <|im_end|>",
+        special_tokens=[("<|im_start|>", bos), ("<|im_end|>", tok.token_to_id("<|im_end|>"))],
+    )
     pieces = Pieces(tok, serialized(tok), every=8, threads=10**6)
     assert pieces.usable and pieces.prefix == [bos]
     batch = texts(seed=3, count=10)
@@ -79,8 +119,11 @@ def test_a_batch_is_cut_into_about_a_threads_share(byte_level, monkeypatch):
     handed = []
     encode = tok.encode_batch_fast
     pieces = Pieces(tok, serialized(tok), every=8, threads=8)
-    monkeypatch.setattr(pieces, "tokenizer", SimpleNamespace(
-        encode_batch_fast=lambda batch, **kw: handed.append(len(batch)) or encode(batch, **kw)))
+    monkeypatch.setattr(
+        pieces,
+        "tokenizer",
+        SimpleNamespace(encode_batch_fast=lambda batch, **kw: handed.append(len(batch)) or encode(batch, **kw)),
+    )
     long = " ".join(["word"] * 1000)  # 4,999 characters
     assert pieces.encode([long]) == [e.ids for e in tok.encode_batch([long])]
     assert 12 <= handed[-1] <= 20, handed
@@ -113,20 +156,37 @@ def added(token: AddedToken, normalizer=None):
             tok.normalizer = normalizer
         tok.add_tokens([token])
         return tok
+
     return make
 
 
-@pytest.mark.parametrize("make", [
-    lambda tok: with_pre_tokenizer(tok, pre_tokenizers.Metaspace(prepend_scheme="always")),
-    lambda tok: with_pre_tokenizer(tok, pre_tokenizers.ByteLevel(add_prefix_space=True)),
-    lambda tok: with_pre_tokenizer(tok, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)),
-    lambda tok: with_pre_tokenizer(tok, split("new york")),  # a pattern that matches across a space
-    lambda tok: with_pre_tokenizer(tok, pre_tokenizers.ByteLevel(add_prefix_space=False), normalizers.Replace("  ", " ")),
-    lambda tok: with_pre_tokenizer(tok, pre_tokenizers.ByteLevel(add_prefix_space=False), normalizers.Strip()),
-    added(AddedToken("<mask>", rstrip=True)), added(AddedToken("new york")),
-    added(AddedToken("New\u00a0York", normalized=True), normalizers.NFKC()),  # NFKC makes its space
-], ids=["metaspace", "prefix space", "no split", "unknown split", "replace", "strip", "rstrip token", "spaced token",
-        "normalized space"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda tok: with_pre_tokenizer(tok, pre_tokenizers.Metaspace(prepend_scheme="always")),
+        lambda tok: with_pre_tokenizer(tok, pre_tokenizers.ByteLevel(add_prefix_space=True)),
+        lambda tok: with_pre_tokenizer(tok, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)),
+        lambda tok: with_pre_tokenizer(tok, split("new york")),  # a pattern that matches across a space
+        lambda tok: with_pre_tokenizer(
+            tok, pre_tokenizers.ByteLevel(add_prefix_space=False), normalizers.Replace("  ", " ")
+        ),
+        lambda tok: with_pre_tokenizer(tok, pre_tokenizers.ByteLevel(add_prefix_space=False), normalizers.Strip()),
+        added(AddedToken("<mask>", rstrip=True)),
+        added(AddedToken("new york")),
+        added(AddedToken("New\u00a0York", normalized=True), normalizers.NFKC()),  # NFKC makes its space
+    ],
+    ids=[
+        "metaspace",
+        "prefix space",
+        "no split",
+        "unknown split",
+        "replace",
+        "strip",
+        "rstrip token",
+        "spaced token",
+        "normalized space",
+    ],
+)
 def test_tokenizers_whose_pieces_could_differ_are_encoded_whole(make, byte_level):
     tok = make(byte_level())
     assert not Pieces(tok, serialized(tok)).usable

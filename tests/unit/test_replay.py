@@ -3,10 +3,10 @@ that the padded call answers exactly as the unpadded one. The capture and replay
 a GPU (the archiver's build check on CUDA runs every check input through them)."""
 
 import pytest
-from tokenizers import Tokenizer
-
 from conftest import train_tokenizer
 from helpers import engine_for
+from tokenizers import Tokenizer
+
 from slm_core.compile.checkpoint import load_checkpoint
 from slm_core.serve.engine import Engine
 from slm_core.serve.replay import bucket, bucket_grid, pad_inputs
@@ -59,17 +59,26 @@ def test_beam_buckets_of_w2_and_w3_streams_are_few():
     """The bench's shared beam archive (prompts up to 512 tokens, 8 per call) serves W2 (48-128
     tokens per prompt) and W3 (384-512) from at most 256 graphs, all in the grid captured at load."""
     beam8 = task(**{**BEAM.spec.to_dict(), "max_batch": 8})
-    sizes = {bucket(beam8, k, t)[:2] for k in range(1, 9)
-             for lo, hi in ((48, 128), (384, 512)) for t in range(lo * k, hi * k + 1)}
+    sizes = {
+        bucket(beam8, k, t)[:2]
+        for k in range(1, 9)
+        for lo, hi in ((48, 128), (384, 512))
+        for t in range(lo * k, hi * k + 1)
+    }
     assert len(sizes) <= 256, len(sizes)
     assert sizes <= {bucket(beam8, n, t)[:2] for n, t in bucket_grid(beam8)}
 
 
-@pytest.mark.parametrize("task", [
-    SCORE, task(**{**BEAM.spec.to_dict(), "max_batch": 8}),
-    task(task="score", labels=["a", "b"], max_texts=3, max_text_tokens=40, max_batch=3),
-    task(task="score", labels=["a", "b"], max_texts=1, max_text_tokens=512, max_batch=2),
-], ids=["w1", "beam8", "small", "long"])
+@pytest.mark.parametrize(
+    "task",
+    [
+        SCORE,
+        task(**{**BEAM.spec.to_dict(), "max_batch": 8}),
+        task(task="score", labels=["a", "b"], max_texts=3, max_text_tokens=40, max_batch=3),
+        task(task="score", labels=["a", "b"], max_texts=1, max_text_tokens=512, max_batch=2),
+    ],
+    ids=["w1", "beam8", "small", "long"],
+)
 def test_the_grid_holds_one_call_per_bucket_of_every_call_size(task):
     """bucket_grid (what a worker captures at load) against every (sequences, tokens) a call
     within the bounds can have, one by one (bisection is only fast if bucket behaves as it assumes)."""
@@ -103,10 +112,16 @@ class PaddedEager:
 def test_padded_calls_answer_as_unpadded(random_checkpoint):
     ckpt = load_checkpoint(random_checkpoint("qwen3")[0])
     for kind, spec, batches in (
-        ("score", dict(task="score", labels=["yes", "no"], max_texts=4, max_text_tokens=32, max_batch=2),
-         [[["search engines rank documents", "a"]], [["one", "two", "three", "four"], ["the lazy dog " * 5] * 4]]),
-        ("beam", dict(task="beam", beam_width=4, new_tokens=3, max_prompt_tokens=24, max_batch=2),
-         [["a small language model"], ["search", "the lazy dog jumps over the quick brown fox"]]),
+        (
+            "score",
+            dict(task="score", labels=["yes", "no"], max_texts=4, max_text_tokens=32, max_batch=2),
+            [[["search engines rank documents", "a"]], [["one", "two", "three", "four"], ["the lazy dog " * 5] * 4]],
+        ),
+        (
+            "beam",
+            dict(task="beam", beam_width=4, new_tokens=3, max_prompt_tokens=24, max_batch=2),
+            [["a small language model"], ["search", "the lazy dog jumps over the quick brown fox"]],
+        ),
     ):
         plain = engine_for(ckpt, **spec)
         fake = PaddedEager(plain.graph, plain.task)
@@ -148,8 +163,10 @@ def test_capture_records_every_bucket_of_the_grid_with_valid_calls(monkeypatch):
     monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None, stream=None: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    for spec in (dict(task="score", labels=["yes", "no"], max_texts=2, max_text_tokens=24, max_batch=2),
-                 dict(task="beam", beam_width=2, new_tokens=2, max_prompt_tokens=40, max_batch=3)):
+    for spec in (
+        dict(task="score", labels=["yes", "no"], max_texts=2, max_text_tokens=24, max_batch=2),
+        dict(task="beam", beam_width=2, new_tokens=2, max_prompt_tokens=40, max_batch=3),
+    ):
         t_ = task(**spec)
         calls = []
 
@@ -167,6 +184,10 @@ def test_capture_records_every_bucket_of_the_grid_with_valid_calls(monkeypatch):
         ids, cu = torch.zeros(t_.graph_tokens, dtype=torch.int32), torch.zeros(t_.graph_texts + 1, dtype=torch.int32)
         cu[1] = 5
         key = bucket(t_, 1, 5)[:2]
-        options = torch.zeros(t_.graph_texts, max(1, t_.option_columns), dtype=torch.int32) if t_.option_columns else None
-        assert replay(ids, cu, options, 1, 5) is replay.graphs[key][1] and FakeGraph.replays[-1] is replay.graphs[key][0]
+        options = (
+            torch.zeros(t_.graph_texts, max(1, t_.option_columns), dtype=torch.int32) if t_.option_columns else None
+        )
+        assert (
+            replay(ids, cu, options, 1, 5) is replay.graphs[key][1] and FakeGraph.replays[-1] is replay.graphs[key][0]
+        )
         assert replay(ids, cu, options, 1, t_.graph_tokens + 1) is None

@@ -33,35 +33,61 @@ def test_the_queue_is_sized_for_the_deadline():
     spec, note = plan(ServingOptions(), "cuda", 8, {"4": 60.0, "8": 90.0})
     assert spec.queue == 1 and "may miss it" in note  # no room: at least 1, and the build says so
     assert plan(ServingOptions(deadline_ms=40), "cpu", 1, {"1": 4.0})[0].queue == 7  # (36 / 4 - 2) x 1
-    assert worker_batch(8, 1) == 8 and worker_batch(8, 2) == 4 and worker_batch(8, 3) == 3 and worker_batch(8, 4, 2) == 4
+    assert (
+        worker_batch(8, 1) == 8 and worker_batch(8, 2) == 4 and worker_batch(8, 3) == 3 and worker_batch(8, 4, 2) == 4
+    )
     assert call_time(BEAM_MS, 3) == 12.5 and call_time(BEAM_MS, 8) == 18.1 and call_time(BEAM_MS, 9) == 18.1
 
 
 def test_model_config_round_trips_and_says_what_torchserve_reads():
     spec = plan(ServingOptions(device_ids=(0, 1), batch_delay_ms=2, response_timeout_s=60), "cuda", 8, BEAM_MS)[0]
     config = spec.model_config()
-    assert {k: config[k] for k in ("minWorkers", "maxWorkers", "batchSize", "maxBatchDelay", "jobQueueSize",
-                                   "responseTimeout", "deviceType", "deviceIds")} == {
-        "minWorkers": 4, "maxWorkers": 4, "batchSize": 4, "maxBatchDelay": 2, "jobQueueSize": 22,
-        "responseTimeout": 60, "deviceType": "gpu", "deviceIds": [0, 1]}
+    assert {
+        k: config[k]
+        for k in (
+            "minWorkers",
+            "maxWorkers",
+            "batchSize",
+            "maxBatchDelay",
+            "jobQueueSize",
+            "responseTimeout",
+            "deviceType",
+            "deviceIds",
+        )
+    } == {
+        "minWorkers": 4,
+        "maxWorkers": 4,
+        "batchSize": 4,
+        "maxBatchDelay": 2,
+        "jobQueueSize": 22,
+        "responseTimeout": 60,
+        "deviceType": "gpu",
+        "deviceIds": [0, 1],
+    }
     assert ServingSpec.from_model_config(config) == spec
     cpu = ServingSpec("cpu", 1, 2, 30)
     assert "deviceIds" not in cpu.model_config() and ServingSpec.from_model_config(cpu.model_config()) == cpu
-    for handler, message in (({"contexts": 2}, r"unknown keys \['contexts'\]"), ({"workers": 3}, "unknown keys"),
-                             ({"cuda_graphs": "false"}, "must be true or false")):
+    for handler, message in (
+        ({"contexts": 2}, r"unknown keys \['contexts'\]"),
+        ({"workers": 3}, "unknown keys"),
+        ({"cuda_graphs": "false"}, "must be true or false"),
+    ):
         with pytest.raises(SpecError, match=message):
             ServingSpec.from_model_config({**cpu.model_config(), "handler": handler})
 
 
-@pytest.mark.parametrize("options, message", [
-    (dict(batch_delay_ms=0), "waits 100 ms for every batch"),
-    (dict(workers=0), "workers must be a positive integer"),
-    (dict(queue=-1), "queue must be a positive integer"),
-    (dict(deadline_ms=0), "deadline_ms must be a positive number"),
-    (dict(deadline_ms=float("inf")), "deadline_ms must be a positive number"),
-    (dict(cuda_graphs="no"), "cuda_graphs must be true or false"),
-    (dict(device_ids=(0, 0)), "distinct and not negative"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(batch_delay_ms=0), "waits 100 ms for every batch"),
+        (dict(workers=0), "workers must be a positive integer"),
+        (dict(queue=-1), "queue must be a positive integer"),
+        (dict(deadline_ms=0), "deadline_ms must be a positive number"),
+        (dict(deadline_ms=float("inf")), "deadline_ms must be a positive number"),
+        (dict(cuda_graphs="no"), "cuda_graphs must be true or false"),
+        (dict(device_ids=(0, 0)), "distinct and not negative"),
+    ],
+)
 def test_options_refuse_what_torchserve_would_misread(options, message):
     with pytest.raises(SpecError, match=message):
         ServingOptions(**options)

@@ -6,9 +6,18 @@ from slm_core import RuntimeSpec, SpecError, TaskSpec
 from slm_core.spec import ModelSpec
 
 QWEN3 = {
-    "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 1024, "num_hidden_layers": 28,
-    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 3072,
-    "rms_norm_eps": 1e-6, "rope_theta": 1000000, "tie_word_embeddings": True, "hidden_act": "silu",
+    "model_type": "qwen3",
+    "vocab_size": 151936,
+    "hidden_size": 1024,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 3072,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000,
+    "tie_word_embeddings": True,
+    "hidden_act": "silu",
     "attention_bias": False,
 }
 

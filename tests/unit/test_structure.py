@@ -3,13 +3,13 @@ with dynamic shapes, bit-identical repeats, and bf16 close to fp32."""
 
 import pytest
 import torch
-
-import slm_core.compile.model
 from conftest import CHAT
 from helpers import engine_for, text_ids
+from test_hf_equality import TEXTS
+
+import slm_core.compile.model
 from slm_core.compile.checkpoint import load_checkpoint
 from slm_core.compile.export import export_graph
-from test_hf_equality import TEXTS
 
 SCORE = dict(task="score", labels=["yes", "no"], max_texts=6, max_text_tokens=48)
 BEAM = dict(task="beam", beam_width=4, new_tokens=4, max_prompt_tokens=48)
@@ -82,8 +82,11 @@ def test_prompt_kv_is_stored_once_and_never_copied_per_beam(qwen3, monkeypatch):
             prefill_k.append(kp)
         return reference.prefix_attention(q, kp, vp, ks, vs, scale, cu)
 
-    monkeypatch.setattr(slm_core.compile.model, "REFERENCE_OPS",
-                        reference._replace(packed_attention=record_prefill, prefix_attention=record_decode))
+    monkeypatch.setattr(
+        slm_core.compile.model,
+        "REFERENCE_OPS",
+        reference._replace(packed_attention=record_prefill, prefix_attention=record_decode),
+    )
     eng = engine_for(qwen3, **BEAM)
     prompt = "a small language model"
     lp = len(text_ids(eng, [prompt])[0])
@@ -92,7 +95,7 @@ def test_prompt_kv_is_stored_once_and_never_copied_per_beam(qwen3, monkeypatch):
     layers, w = qwen3.spec.num_layers, BEAM["beam_width"]
     assert len(prefill_k) == layers and len(decode_calls) == layers * (BEAM["new_tokens"] - 1)
     prompt_ptrs = {k.data_ptr() for k in prefill_k}
-    for i, (kp, vp, ks) in enumerate(decode_calls):
+    for i, (kp, _, ks) in enumerate(decode_calls):
         step = i // layers + 1
         assert kp.shape == (lp, qwen3.spec.num_kv_heads, qwen3.spec.head_dim)  # no beam dimension
         assert kp.data_ptr() in prompt_ptrs  # the prefill's own tensor, not a copy
@@ -119,8 +122,10 @@ def test_graphs_export_with_dynamic_shapes(random_checkpoint, arch):
             ids = torch.randint(0, vocab, (sum(lengths),), dtype=torch.int32)
             cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
             # each prompt its own width and new tokens, within the bounds
-            options = torch.tensor([[1 + i % beam.task.width, 1 + i % beam.task.new_tokens] for i in range(len(lengths))],
-                                   dtype=torch.int32)
+            options = torch.tensor(
+                [[1 + i % beam.task.width, 1 + i % beam.task.new_tokens] for i in range(len(lengths))],
+                dtype=torch.int32,
+            )
             ours, eager = program(ids, cu, options), beam.graph(ids, cu, options)
             assert torch.equal(ours[0], eager[0]) and torch.equal(ours[1], eager[1])
             torch.testing.assert_close(ours[2], eager[2], atol=1e-5, rtol=0)
@@ -142,8 +147,12 @@ def test_residual_adds_stay_out_of_the_gemms(qwen3, task, monkeypatch):
     counts = {}
 
     def after(graph):
-        counts.update({op: len(graph.find_nodes(op="call_function", target=op))
-                       for op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)})
+        counts.update(
+            {
+                op: len(graph.find_nodes(op="call_function", target=op))
+                for op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+            }
+        )
         raise _PostGrad
 
     monkeypatch.setattr(post_grad, "is_gpu", lambda device: True)
@@ -162,8 +171,10 @@ def test_beam_steps_sort_only_the_finished_pool(qwen3):
     beams are taken unsorted, with their places compared, which needs no sort kernel."""
     eng = engine_for(qwen3, **BEAM)
     program = export_graph(eng.graph, eng.task)
-    sorts = [n.args[4] if len(n.args) > 4 else n.kwargs.get("sorted", True)
-             for n in program.graph.find_nodes(op="call_function", target=torch.ops.aten.topk.default)]
+    sorts = [
+        n.args[4] if len(n.args) > 4 else n.kwargs.get("sorted", True)
+        for n in program.graph.find_nodes(op="call_function", target=torch.ops.aten.topk.default)
+    ]
     steps = BEAM["new_tokens"]
     assert sorts.count(True) == steps, sorts  # one per step: the pool's merge
     assert sorts.count(False) >= 2 * steps - 1, sorts  # the top 2W per step, the running beams but at the last
@@ -216,8 +227,9 @@ def test_bf16_stays_close_to_fp32(smollm2):
     for row32, row16 in zip(fp32.score(TEXTS), bf16.score(TEXTS)):
         assert row16 == pytest.approx(row32, abs=0.06)
 
-    beam = dict(task="beam", prompt_template=CHAT.replace("{text}", "{prompt}"), beam_width=8, new_tokens=5,
-                stop=["<|im_end|>"])
+    beam = dict(
+        task="beam", prompt_template=CHAT.replace("{text}", "{prompt}"), beam_width=8, new_tokens=5, stop=["<|im_end|>"]
+    )
     a = engine_for(ckpt, **beam).beam("What is the capital of France?")
     b = engine_for(ckpt, **beam, precision="bf16").beam("What is the capital of France?")
     assert a[0]["token_ids"] == b[0]["token_ids"]

@@ -4,14 +4,14 @@ path, verdicts and FLOPs."""
 import re
 
 import pytest
+from conftest import train_tokenizer
+from test_spec import QWEN3
 from tokenizers import Tokenizer
 
-from conftest import train_tokenizer
 from slm_core import InputError, SpecError, TaskSpec
 from slm_core.spec import ModelSpec
 from slm_core.tasks import BeamTask, ClassifierTask, Difference, EmbeddingTask, LabelsTask, task_class, task_for
 from slm_core.tasks.beam import BeamRequest
-from test_spec import QWEN3
 
 
 @pytest.fixture(scope="module")
@@ -32,13 +32,16 @@ def test_a_task_yaml_names_its_kind():
         task_class(TaskSpec(task="score", head="pooler"))
 
 
-@pytest.mark.parametrize("spec, message", [
-    (TaskSpec(task="score", labels=("a",)), "at least two 'labels'"),
-    (TaskSpec(task="score", labels=("a", "b"), output="probability"), "'output' must be 'probs' or 'logits'"),
-    (TaskSpec(task="beam", output="logits"), "are for score tasks"),
-    (TaskSpec(task="beam", labels=("a", "b")), "are for score tasks"),
-    (TaskSpec(task="beam", prompt_template="Q: {text}"), "containing '{prompt}'"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (TaskSpec(task="score", labels=("a",)), "at least two 'labels'"),
+        (TaskSpec(task="score", labels=("a", "b"), output="probability"), "'output' must be 'probs' or 'logits'"),
+        (TaskSpec(task="beam", output="logits"), "are for score tasks"),
+        (TaskSpec(task="beam", labels=("a", "b")), "are for score tasks"),
+        (TaskSpec(task="beam", prompt_template="Q: {text}"), "containing '{prompt}'"),
+    ],
+)
 def test_each_kind_refuses_keys_it_cannot_serve(tok, spec, message):
     with pytest.raises(SpecError, match=message):
         task_for(spec, tok)
@@ -64,8 +67,11 @@ def test_bounds_follow_the_kind(tok):
 def test_the_request_schema_is_the_tasks(tok):
     score = task_for(TaskSpec(task="score", labels=("yes", "no")), tok)
     assert score.request({"texts": ["a"]}) == ["a"]
-    for payload, message in (({"prompt": "a"}, "missing the field 'texts' (got \"prompt\")"),
-                             ({"texts": [], "x": 1}, 'unknown fields "x"'), ([], "got an array")):
+    for payload, message in (
+        ({"prompt": "a"}, "missing the field 'texts' (got \"prompt\")"),
+        ({"texts": [], "x": 1}, 'unknown fields "x"'),
+        ([], "got an array"),
+    ):
         with pytest.raises(InputError, match=re.escape(message)):
             score.request(payload)
     beam = task_for(TaskSpec(task="beam"), tok)
@@ -74,13 +80,18 @@ def test_the_request_schema_is_the_tasks(tok):
 
 
 def test_the_request_path_is_three_nodes_with_their_interfaces(tok):
-    beam = task_for(TaskSpec(task="beam", beam_width=4, new_tokens=3, max_prompt_tokens=64, stop=("<|im_end|>",),
-                             max_batch=2), tok)
+    beam = task_for(
+        TaskSpec(task="beam", beam_width=4, new_tokens=3, max_prompt_tokens=64, stop=("<|im_end|>",), max_batch=2), tok
+    )
     encode, graph, decode = beam.pipeline("cuda", "graph.pt2")
     assert (encode["node"], encode["device"], encode["op"]) == ("encode", "cpu", "BeamTask.encode")
     assert encode["bounds"] == {"requests": 2, "sequences_per_request": 1, "tokens_per_sequence": 64}
     assert (graph["device"], graph["file"], graph["constants"]) == ("cuda", "graph.pt2", {"stop_ids": beam.stop_ids})
-    assert graph["outputs"] == ["tokens int64 [prompts, 4, 3]", "lengths int64 [prompts, 4]", "scores float32 [prompts, 4]"]
+    assert graph["outputs"] == [
+        "tokens int64 [prompts, 4, 3]",
+        "lengths int64 [prompts, 4]",
+        "scores float32 [prompts, 4]",
+    ]
     assert encode["output"] == graph["inputs"] and decode["input"] == graph["outputs"]
     assert (decode["op"], decode["output"]) == ("BeamTask.unpack", "answer ['candidates']")
 
@@ -89,7 +100,12 @@ def test_verdicts_are_the_tasks(tok):
     score = task_for(TaskSpec(task="score", labels=("yes", "no"), precision="bf16"), tok)
     d = score.difference([[0.9, 0.1], [0.5, 0.5]], [[0.88, 0.12], [0.5, 0.5]])
     assert d.values == pytest.approx((0.02, 0.02, 0.0, 0.0)) and d.shared == 1.0
-    assert score.check([d], "bf16") == {"inputs": 1, "max_abs_diff": pytest.approx(0.02), "tolerance": 0.05, "passes": True}
+    assert score.check([d], "bf16") == {
+        "inputs": 1,
+        "max_abs_diff": pytest.approx(0.02),
+        "tolerance": 0.05,
+        "passes": True,
+    }
     assert score.gate([d], 0.01, 0.6)["passes"] is False
     beam = task_for(TaskSpec(task="beam", precision="bf16"), tok)
     want = [{"token_ids": [1, 2], "score": -1.0}, {"token_ids": [3], "score": -2.0}]

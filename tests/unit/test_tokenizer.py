@@ -9,9 +9,17 @@ from slm_core.serve.engine import Engine
 from slm_core.tasks import task_for
 
 STRINGS = [
-    "hello world", "  two  spaces\n\nnew\tline  ", "<|im_start|>user\nhi<|im_end|>", "ünïcödé 日本語 🤖 ½",
-    "123456789 3.14159 -0.5e10", "don't I'll we've", "<repo_name>x</s><|endoftext|>", "a" * 300,
-    "\u200b\u00a0\r\n", "Ω≈ç√∫˜µ≤≥÷", "def f(x):\n    return x**2  # comment",
+    "hello world",
+    "  two  spaces\n\nnew\tline  ",
+    "<|im_start|>user\nhi<|im_end|>",
+    "ünïcödé 日本語 🤖 ½",
+    "123456789 3.14159 -0.5e10",
+    "don't I'll we've",
+    "<repo_name>x</s><|endoftext|>",
+    "a" * 300,
+    "\u200b\u00a0\r\n",
+    "Ω≈ç√∫˜µ≤≥÷",
+    "def f(x):\n    return x**2  # comment",
 ]
 
 
@@ -25,8 +33,17 @@ def test_gguf_tokenizer_equals_transformers(smollm2):
 
 @pytest.fixture()
 def score(smollm2):
-    return task_for(TaskSpec(task="score", prompt_template="Q: {text} A:", labels=("Yes", "No"), max_texts=4,
-                             max_text_tokens=12, max_batch=2), smollm2[1].tokenizer)
+    return task_for(
+        TaskSpec(
+            task="score",
+            prompt_template="Q: {text} A:",
+            labels=("Yes", "No"),
+            max_texts=4,
+            max_text_tokens=12,
+            max_batch=2,
+        ),
+        smollm2[1].tokenizer,
+    )
 
 
 def test_texts_encode_each_with_the_template(score):

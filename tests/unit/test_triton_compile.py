@@ -18,11 +18,20 @@ def compile_for_hopper(kernel, constants: dict, pointers: dict | None = None, fl
     """kernel compiled for sm_90 with these constexprs; pointers: a type per pointer argument
     other than bf16 (by name). Returns the stages' code (ttir ... cubin)."""
     pointers = pointers or {}
-    signature = {name: "constexpr" if name in constants else pointers.get(name, "*bf16") if name.endswith("_ptr")
-                 else float_type if name in FLOATS else "i32" for name in kernel.arg_names}
+    signature = {
+        name: "constexpr"
+        if name in constants
+        else pointers.get(name, "*bf16")
+        if name.endswith("_ptr")
+        else float_type
+        if name in FLOATS
+        else "i32"
+        for name in kernel.arg_names
+    }
     names = list(signature)
-    source = ASTSource(fn=kernel, signature=signature,
-                       constexprs={(names.index(name),): value for name, value in constants.items()})
+    source = ASTSource(
+        fn=kernel, signature=signature, constexprs={(names.index(name),): value for name, value in constants.items()}
+    )
     return triton.compile(source, target=HOPPER).asm
 
 
@@ -35,8 +44,9 @@ def test_attention_kernels_compile_for_hopper(group, head_dim, float_type):
     pad = triton.next_power_of_2(group)
     heads = dict(GROUP=group, GROUP_PAD=pad, HEAD_DIM=head_dim)
     i32 = {"cu_ptr": "*i32"}
-    assert compile_for_hopper(_packed_attention_kernel, dict(heads, BLOCK_M=GROUPED_ROWS // pad,
-                                                             BLOCK_N=4096 // head_dim), i32, float_type)["cubin"]
+    assert compile_for_hopper(
+        _packed_attention_kernel, dict(heads, BLOCK_M=GROUPED_ROWS // pad, BLOCK_N=4096 // head_dim), i32, float_type
+    )["cubin"]
     for suffix in (0, 4):  # a prefill's last layer (no suffix); the last decode step of 5 new tokens
         decode = dict(heads, BLOCK_W=64 // pad, BLOCK_N=64, SUFFIX=suffix)
         assert compile_for_hopper(_prefix_attention_kernel, decode, i32, float_type)["cubin"]
@@ -47,8 +57,15 @@ def test_qkv_rope_compiles_for_hopper(heads, kv_heads, head_dim, norm):
     from slm_kernels.qkv_rope import _qkv_rope_kernel
 
     p2 = triton.next_power_of_2
-    constants = dict(HEADS=heads, HEADS_PAD=p2(heads), KV_HEADS=kv_heads, KV_PAD=p2(kv_heads), HEAD_DIM=head_dim,
-                     V_PAD=p2(kv_heads * head_dim), NORM=norm)
+    constants = dict(
+        HEADS=heads,
+        HEADS_PAD=p2(heads),
+        KV_HEADS=kv_heads,
+        KV_PAD=p2(kv_heads),
+        HEAD_DIM=head_dim,
+        V_PAD=p2(kv_heads * head_dim),
+        NORM=norm,
+    )
     for float_type in ("fp32", "fp64"):
         assert compile_for_hopper(_qkv_rope_kernel, constants, float_type=float_type)["cubin"]
 

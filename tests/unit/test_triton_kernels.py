@@ -41,8 +41,9 @@ PACKED_CASES = [
 def run_check(script: str, cases: list):
     """Run `script` over `cases` in a fresh interpreter-mode process; its max errors per case."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    result = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], env=env, capture_output=True,
-                            text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(cases)], env=env, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -147,7 +148,8 @@ for t, inner, block, amax in json.loads(sys.argv[1]):
     step = want.abs() / 8 + scale * 2**-9
     power_of_two = (rq.float() != 0) & (rq.float().abs().log2() == rq.float().abs().log2().round())
     ok = ((got - want).abs() <= step) | (power_of_two & (q.float() == rq.float() / 2))
-    out.append({"shape": list(q.shape) == [t, inner] and q.dtype == torch.float8_e4m3fn, "within_a_step": bool(ok.all()),
+    out.append({"shape": list(q.shape) == [t, inner] and q.dtype == torch.float8_e4m3fn,
+                "within_a_step": bool(ok.all()),
                 "saturated": int((rq.float().abs() == 448).sum()), "max_ok": q.float().abs().max().item() <= 448})
 print(json.dumps(out))
 """
@@ -198,8 +200,16 @@ def test_vocab_topk_matches_torch_in_interpreter():
     """Exact top-k (values as torch.topk's, distinct ids that hold them) and logsumexp: fp32 and
     bf16 logits, rows of few distinct values (ties across groups), k = 1, k = V, a vocabulary that
     is no whole number of groups, groups lowered until a row has k of them, -inf logits."""
-    cases = [(3, 1000, 7, "normal"), (2, 700, 200, "ties"), (4, 5000, 200, "normal"), (1, 64, 64, "normal"),
-             (2, 300, 1, "ties"), (3, 3001, 200, "bf16"), (2, 700, 5, "masked"), (2, 997, 40, "ties")]
+    cases = [
+        (3, 1000, 7, "normal"),
+        (2, 700, 200, "ties"),
+        (4, 5000, 200, "normal"),
+        (1, 64, 64, "normal"),
+        (2, 300, 1, "ties"),
+        (3, 3001, 200, "bf16"),
+        (2, 700, 5, "masked"),
+        (2, 997, 40, "ties"),
+    ]
     for r in run_check(TOPK_CHECK, cases):
         assert r["values_equal"] and r["ids_hold_values"] and r["lse_err"] < 1e-5, r
 
@@ -223,9 +233,15 @@ def test_wrappers_refuse_bad_shapes():
     from slm_kernels.prefix_attention import prefix_suffix_attention
 
     with pytest.raises(ValueError, match="unsupported shapes"):
-        prefix_suffix_attention(torch.randn(4, 4, 16), torch.randn(3, 2, 16), torch.randn(3, 2, 16),
-                                torch.randn(5, 1, 2, 16), torch.randn(5, 1, 2, 16), 0.25,
-                                torch.tensor([0, 3], dtype=torch.int32))
+        prefix_suffix_attention(
+            torch.randn(4, 4, 16),
+            torch.randn(3, 2, 16),
+            torch.randn(3, 2, 16),
+            torch.randn(5, 1, 2, 16),
+            torch.randn(5, 1, 2, 16),
+            0.25,
+            torch.tensor([0, 3], dtype=torch.int32),
+        )
 
 
 ENGINE_CHECK = r"""
@@ -247,7 +263,8 @@ for arch in json.loads(sys.argv[1]):
     AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
     ckpt = load_checkpoint(folder)
     def engine(task, kernels):
-        return eager_engine(ckpt, TaskSpec.from_dict({"precision": "fp32", **task}), RuntimeSpec("cpu", kernels), Engine)
+        spec = TaskSpec.from_dict({"precision": "fp32", **task})
+        return eager_engine(ckpt, spec, RuntimeSpec("cpu", kernels), Engine)
     score = {"task": "score", "labels": ["yes", "no"], "max_texts": 4, "max_text_tokens": 48}
     texts = ["a", "search engines rank documents", "the lazy dog " * 4]
     a, b = engine(score, "reference").score(texts), engine(score, "triton").score(texts)
