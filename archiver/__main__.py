@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serving_flags(p: argparse.ArgumentParser) -> None:
     """The ServingOptions of slm_core.serving (which refuses bad values); each left out takes its
-    measured default."""
+    default (README.md, Defaults)."""
     p.add_argument(
         "--workers", type=int, help="TorchServe workers for this model (default: 2 per GPU on CUDA, 1 on CPU)"
     )
@@ -134,7 +134,7 @@ def _serving_flags(p: argparse.ArgumentParser) -> None:
         "--no-cuda-graphs",
         action="store_true",
         help="CUDA builds: run calls without CUDA graphs (slower; saves the GPU memory their capture "
-        "reserves, 1-2.5 GiB per worker on the H200)",
+        "reserves, GiBs per worker)",
     )
 
 

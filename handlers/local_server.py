@@ -140,8 +140,8 @@ class TorchServe:
         status, body = http("POST", f"{self.management}/models?{query}", timeout=600)
         assert status in (200, 202), body
         if not synchronous and workers > 1:
-            # TorchServe 0.12 starts only the archive's own minWorkers when registering asynchronously
-            # (found on the H200: a 4-worker peer stayed at 1); scaling afterwards starts the rest.
+            # TorchServe 0.12 starts only the archive's own minWorkers when registering
+            # asynchronously; scaling afterwards starts the rest.
             self.scale(name or Path(mar).stem, workers)
         return json.loads(body)
 

@@ -181,8 +181,8 @@ class SlmHandler:
                 self.engine.device,
             )
         # What loading made lives as long as the worker: freeze it out of the full garbage
-        # collections that beam replies' candidate dicts set off (a 70 ms stall of the worker
-        # every ~750 W2 calls on 2 cores; 0.1 ms frozen).
+        # collections that beam replies' candidate dicts set off, which otherwise walk all of it
+        # and stall the worker.
         gc.collect()
         gc.freeze()
 

@@ -1,6 +1,6 @@
 """How an archive serves: one frozen spec (ServingSpec) that the archiver writes into the
 archive's model-config.yaml and the handler only reads, and the defaults a build takes for what
-its user leaves open (plan). The defaults are the deployments measured best on the H200
+its user leaves open (plan). The defaults are the deployments that served best on the H200
 (README.md, Defaults; bench/RESULTS.md).
 
 Admission: TorchServe's jobQueueSize bounds the requests waiting for a worker, beyond it a
@@ -10,8 +10,8 @@ each taking about `call_ms` (the build's timing of a call at the token bounds), 
 per_call requests per call_ms. A request behind q others waits q / per_call calls for a worker,
 then its own call shares the GPU with the others: it finishes after about
 (q / per_call + calls + 1) x call_ms. The queue is the largest q with that within 90 % of the
-deadline (the rest is for HTTP, TorchServe and the handler's own work, 2-5 ms on the H200, and
-jitter), at least 1 per GPU.
+deadline (the rest is for HTTP, TorchServe and the handler's own work, a few ms, and jitter), at
+least 1 per GPU.
 """
 
 import math
@@ -167,7 +167,7 @@ def worker_batch(max_batch: int, workers: int, gpus: int = 1) -> int:
     """TorchServe's batchSize: workers that share a GPU split max_batch between them, so that
     their calls together hold about one full call. A GPU drains about max_batch requests per full
     call whatever its worker count, and two workers taking max_batch each put two full calls ahead
-    of every queued request (admitted P99 211 ms at 3x overload on the H200)."""
+    of every queued request (past the P99 bound under overload: bench/RESULTS.md)."""
     return -(-max_batch // -(-workers // gpus))
 
 

@@ -172,8 +172,8 @@ def packed_attention(
     """q: [T, Hq, D]; k, v: [T, Hkv, D]; cu_seqlens: [N+1] int32; max_seqlen: a bound on every
     sequence's length (the task bound: the grid is static). Returns [T, Hq, D] in q's dtype.
     block_m: positions per program, each with the group's query heads; 0 for GROUPED_ROWS rows.
-    block_n: keys per block, 0 for 8 KB K/V tiles (32 keys at D = 128, 64 at 64): the fastest on
-    the H200 at W1 and W3 (bench.kernels_bench)."""
+    block_n: keys per block, 0 for 8 KB K/V tiles (32 keys at D = 128, 64 at 64): the fastest at
+    W1 and W3 (bench.kernels_bench)."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     if hq % hkv or d not in (16, 32, 64, 128) or k.shape != v.shape or k.shape[0] != t:

@@ -4,8 +4,8 @@ The W beams of each of B prompts attend over their prompt's K/V, stored once in 
 [T, Hkv, D] (prompt b at rows cu[b]..cu[b+1]-1), plus their own suffix ([B*W, S, Hkv, D]) in one
 FP32 online softmax, without concatenating anything. One program takes BLOCK_W beams of one
 prompt × the G query heads of one kv head as its M rows, so each prompt K/V tile is read once per
-group of beams (the Hydragen / cascade-attention idea). Splitting a prompt's keys between
-programs (flash-decoding) measured no faster at W2's and W3's decode shapes on the H200.
+group of beams (the Hydragen / cascade-attention idea). A prompt's keys are not split between
+programs (flash-decoding): at W2's and W3's decode shapes that was no faster (bench/RESULTS.md).
 Reference: slm_kernels.attention_ref.prefix_suffix_attention_ref.
 """
 
@@ -224,8 +224,8 @@ def prefix_suffix_attention(
     """q: [B*W, Hq, D]; k/v_prefix: [T, Hkv, D] with prompt b at rows prefix_cu[b]..prefix_cu[b+1]-1;
     k/v_suffix: [B*W, S, Hkv, D], S >= 0; prefix_cu: [B+1] int32. Returns [B*W, Hq, D]. block_w: beams per
     program; 0 picks 64 M rows (beams x query heads per kv head, padded to a power of two), the
-    fastest on the H200 at W=100 and 400 (2.6-3x over 128 rows), or fewer, at least 16, when a
-    prompt has fewer beams (one row per sequence: a prefill's last layer)."""
+    fastest at W=100 and 400 (bench.kernels_bench), or fewer, at least 16, when a prompt has fewer
+    beams (one row per sequence: a prefill's last layer)."""
     rows, hq, d = q.shape
     hkv = k_prefix.shape[1]
     s = k_suffix.shape[1]

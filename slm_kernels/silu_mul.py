@@ -4,9 +4,9 @@ fixed at build, so the [T, I] product is never written in the model dtype (refer
 kernels.layer_ref.silu_mul_static_ref).
 
 The fused gate/up projection writes [T, 2I]; this reads each row's two halves once and writes
-[T, I]. Inductor's own kernel for the same expression is autotuned at build time, and a build
-beside other GPU work picked a config at half the bandwidth (25 µs instead of 13 per W1 layer);
-this one does not depend on that. The arithmetic follows transformers' rounding
+[T, I]. Inductor's own kernel for the same expression is autotuned at build time, so a build
+beside other GPU work can pick a slow config; this one does not depend on that. The arithmetic
+follows transformers' rounding
 points: silu in FP32 rounded to the model dtype, then the product rounded.
 """
 

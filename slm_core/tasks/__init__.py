@@ -45,8 +45,8 @@ def task_class(spec: TaskSpec) -> type[Task]:
 
 
 def task_for(spec: TaskSpec, tokenizer: Tokenizer, device: str = "cpu") -> Task:
-    """The task a spec describes, its max_batch resolved: the spec's, else the kind's measured
-    best on CUDA (Task.cuda_max_batch) and 1 on CPU, where serving is for development."""
+    """The task a spec describes, its max_batch resolved: the spec's, else the kind's best-served
+    one on CUDA (Task.cuda_max_batch) and 1 on CPU, where serving is for development."""
     kind = task_class(spec)
     if spec.max_batch is None:
         spec = replace(spec, max_batch=kind.cuda_max_batch if device.startswith("cuda") else 1)

@@ -39,17 +39,17 @@ class BeamTask(Task):
     graph = "beam"
     answer = ("candidates",)
     pad_sequences = False  # a padding prompt would cost W beams at every decode step
-    # Best served on the H200 (bench/RESULTS.md): 8 prompts per call, split by two workers.
+    # The best-served call size on the H200, split by two workers (bench/RESULTS.md).
     cuda_max_batch = 8
-    # A shared candidate's score. It sums N bf16 log-probabilities over the whole vocabulary:
-    # transformers' own bf16 beam scores are 0.08-0.21 from fp32 on the H200, and a compiled graph
-    # that fuses differently from eager may differ by as much. In fp32 a score is a sum of up to N
+    # A shared candidate's score. It sums N bf16 log-probabilities over the whole vocabulary, as
+    # far from fp32 as transformers' own bf16 beam scores are, and a compiled graph that fuses
+    # differently from eager may differ by as much again. In fp32 a score is a sum of up to N
     # differences of two numbers of 10-30 (a logit, the vocabulary's logsumexp) whose GEMMs
-    # compiled and eager block differently: 1.5e-4 measured on SmolLM2's CPU build. fp8-static:
-    # compiled and eager quantise the post-norm activations from different roundings (Inductor
-    # fuses the norm into the quantisation), values near an E4M3 step land apart and beam search
-    # amplifies it (H200: 0.35-0.38, 65-69 % of candidates shared; bf16 0.094, 90 %); for it this
-    # check guards against a broken compile only, and its accuracy criterion is the gate against bf16.
+    # compiled and eager block differently. fp8-static: compiled and eager quantise the post-norm
+    # activations from different roundings (Inductor fuses the norm into the quantisation), values
+    # near an E4M3 step land apart and beam search amplifies it; for it this check guards against a
+    # broken compile only, and its accuracy criterion is the gate against bf16. bench/RESULTS.md
+    # has the differences seen.
     tolerance: ClassVar[dict[str, float]] = {"fp32": 1e-3, "bf16": 0.25, "fp8-static": 0.5}
     min_shared: ClassVar[dict[str, float]] = {"fp32": 1.0, "bf16": 0.75, "fp8-static": 0.5}
     gate_requests = 8  # a prompt's call is the costly one

@@ -16,7 +16,7 @@ class TextsTask(Task):
     placeholder = "{text}"
     answer = ("labels", "scores")
     pad_sequences = True  # a padding text costs only its few rows of the prefill
-    # Best served on the H200 (bench/RESULTS.md): 4 requests per call, split by two workers.
+    # The best-served call size on the H200, split by two workers (bench/RESULTS.md).
     cuda_max_batch = 4
     # A probability of the label rows; the check fails past these.
     tolerance: ClassVar[dict[str, float]] = {"fp32": 1e-4, "bf16": 5e-2, "fp8-static": 5e-2}
