@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="compile a checkpoint for a task into NAME.mar")
     b.add_argument("--checkpoint", required=True, help="HF-style directory or .gguf file")
-    b.add_argument("--task", required=True, help="task YAML (README.md, The task YAML)")
+    b.add_argument("--task", required=True, help="task YAML (README.md, Tasks)")
     b.add_argument("--model-name", required=True)
     b.add_argument("--export-path", required=True, help="directory that receives NAME.mar")
     b.add_argument("--device", default="cpu", help="cpu or cuda: where the archive will serve (build there)")
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     _serving_flags(c)
     k = sub.add_parser("catalog", help="a new version of a catalog task's archive with another catalog (no recompile)")
     k.add_argument("--archive", required=True, help="a built NAME.mar of a task with a catalog")
-    k.add_argument("--catalog", required=True, help="the new catalog, JSONL (README.md, Generative retrieval)")
+    k.add_argument("--catalog", required=True, help="the new catalog, JSONL (README.md, Tasks)")
     k.add_argument(
         "--version", required=True, help="the new archive's model version; it is written as NAME-VERSION.mar"
     )
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serving_flags(p: argparse.ArgumentParser) -> None:
     """The ServingOptions of slm_core.serving (which refuses bad values); each left out takes its
-    default (README.md, Defaults)."""
+    default (docs/operations.md, Defaults)."""
     p.add_argument(
         "--workers", type=int, help="TorchServe workers for this model (default: 2 per GPU on CUDA, 1 on CPU)"
     )

@@ -86,7 +86,7 @@ if [[ $BUILD_ONLY == 1 ]]; then
   exit 0
 fi
 # The workers sharing this GPU run their kernels side by side under NVIDIA's Multi-Process Service;
-# without it the GPU time-slices between them (README.md, Serving on a GPU). The daemon must run
+# without it the GPU time-slices between them (docs/operations.md, Serving on a GPU). The daemon must run
 # before the first worker starts. Its pipe and log directories default to /tmp/nvidia-mps and
 # /var/log/nvidia-mps, which the image's non-root user cannot create: they go under TMPDIR, and
 # the workers find the daemon through the same CUDA_MPS_PIPE_DIRECTORY. No daemon on CUDA is an

@@ -176,7 +176,7 @@ class SlmHandler:
             log.warning(
                 "%d workers on %s without NVIDIA MPS: workers sharing a GPU time-slice it instead of "
                 "running side by side. Start `nvidia-cuda-mps-control -d` before TorchServe "
-                "(deploy/serve.sh does; README.md, Serving on a GPU)",
+                "(deploy/serve.sh does; docs/operations.md, Serving on a GPU)",
                 serving.workers,
                 self.engine.device,
             )

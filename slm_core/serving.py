@@ -1,7 +1,7 @@
 """How an archive serves: one frozen spec (ServingSpec) that the archiver writes into the
 archive's model-config.yaml and the handler only reads, and the defaults a build takes for what
 its user leaves open (plan). The defaults are the deployments that served best on the H200
-(README.md, Defaults; bench/RESULTS.md).
+(docs/operations.md, Defaults; bench/RESULTS.md).
 
 Admission: TorchServe's jobQueueSize bounds the requests waiting for a worker, beyond it a
 request is refused at once (503) instead of queueing without bound. The queue is sized for a
@@ -22,7 +22,7 @@ from typing import Any
 from slm_core.errors import SpecError
 
 DEFAULT_DEADLINE_MS = 80.0  # the latency SLO's P99 bound
-WORKERS_PER_GPU = 2  # sync workers per GPU on CUDA (README.md, Defaults)
+WORKERS_PER_GPU = 2  # sync workers per GPU on CUDA (docs/operations.md, Defaults)
 CPU_QUEUE = 100  # CPU builds, for development, without a deadline: TorchServe's own default
 HANDLER = "handler"  # the handler's own section of model-config.yaml (TorchServe hands it over as is)
 

@@ -129,7 +129,7 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class TaskSpec:
-    """The task YAML (README.md, The task YAML). Bounds are fixed at build time; requests beyond
+    """The task YAML (README.md, Tasks; docs/tasks.md). Bounds are fixed at build time; requests beyond
     them are refused. Keys a kind does not use keep their defaults."""
 
     task: str  # the kind: score | beam (slm_core.tasks)

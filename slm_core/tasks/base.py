@@ -63,7 +63,7 @@ class Task(ABC):
     # Whether a CUDA-graph bucket may add padding sequences (slm_core.serve.replay): they cost a
     # prefill's rows, or, for a beam, its W beams at every step.
     pad_sequences: ClassVar[bool]
-    # max_batch when the task YAML names none, on CUDA: the best-served one (README, Defaults)
+    # max_batch when the task YAML names none, on CUDA: the best-served one (docs/operations.md, Defaults)
     cuda_max_batch: ClassVar[int]
     # compiled against eager on the check inputs: the largest allowed |difference| per precision
     tolerance: ClassVar[dict[str, float]]

@@ -361,7 +361,7 @@ def test_version_switch_under_traffic_fails_no_request(server, v1, v2):
     failed = [(k, prompt, status, answer[:200]) for k, _, _, prompt, status, answer in results if status != 200]
     # The catalog each answer is of: 1, 2, or 0 for neither. Two clients' requests often share a
     # graph call (max_batch 2), whose fp32 GEMMs may round a score differently from the call of one
-    # request alone (README, Determinism): an answer is its catalog's items in the same order, with
+    # request alone (docs/protocols.md, Determinism): an answer is its catalog's items in the same order, with
     # the same tokens, its scores within 1e-5 of the engine's answer alone.
     which, identical, score_diff = [], 0, 0.0
     for _, _, _, prompt, status, answer in results:

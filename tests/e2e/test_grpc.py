@@ -2,7 +2,7 @@
 StreamPredictions answer the REST bytes, StreamPredictions ends its stream after the one answer
 without restarting the worker, a bad request gets a gRPC error status, and StreamPredictions2
 behaves as TorchServe 0.12 serves it to a model without sequence batching: refused or dropped,
-and the one way it loses a worker (README, gRPC). The client stubs are generated at test time
+and the one way it loses a worker (docs/protocols.md, gRPC). The client stubs are generated at test time
 from the .proto files inside TorchServe's own jar."""
 
 import importlib
@@ -218,7 +218,7 @@ def test_a_bad_request_gets_invalid_argument_with_the_rest_error(served):
 def test_grpc_and_rest_requests_at_once_each_get_their_own_answer(served):
     """Good and bad gRPC requests (both calls) and good and bad REST requests at once, so that the
     worker batches them (max_batch 3) in whatever mix: every good one gets its answer (its bytes
-    alone; batched, its rows within 1e-6 as README's determinism says), every bad REST one its 400;
+    alone; batched, its rows within 1e-6 as docs/protocols.md's determinism says), every bad REST one its 400;
     a bad gRPC one gets INVALID_ARGUMENT, or status OK with the JSON error as its answer where
     TorchServe batched it with other requests (it carries one status per batch to gRPC); no worker
     restarts."""
@@ -314,7 +314,7 @@ def test_stream_predictions2_refuses_and_drops_yet_hurts_no_worker(served):
 
 
 def test_stream_predictions2_closed_early_with_a_sequence_id_can_lose_the_worker(served, archives):
-    """The trap README names: a StreamPredictions2 call with a sequence_id whose client closes its
+    """The trap docs/protocols.md names: a StreamPredictions2 call with a sequence_id whose client closes its
     side at once (as `StreamPredictions2(iter([request]))` does) ends UNKNOWN, and TorchServe may
     then complete the response stream before the worker's answer, fail sending it, and lose that
     worker for good: it stays listed READY under its old pid while requests queue for it.

@@ -385,7 +385,7 @@ def test_scaling_down_under_traffic_loses_at_most_the_stopped_workers_call(serve
     connection closed unanswered), and a request it was still gathering into a batch may get no
     answer at all (its thread clears the batch it was interrupted in: the client's timeout ends
     the wait). At most one batch is lost, and the PUT itself may answer 500; nothing else fails;
-    one worker serves on. README, Deploying, says how to change the count losing nothing."""
+    one worker serves on. docs/operations.md, Deploying, says how to change the count losing nothing."""
     from archiver.build import configure
     from slm_core.serving import ServingOptions
 
@@ -421,7 +421,7 @@ def test_scaling_down_under_traffic_loses_at_most_the_stopped_workers_call(serve
         status, body = http("PUT", f"{server.management}/models/tiny_scale2?min_worker=1&max_worker=1&synchronous=true")
         # TorchServe 0.12's management thread fails the stopped worker's jobs while that worker's
         # own thread clears them; when the two meet, the PUT answers 500 ConcurrentModificationException
-        # after the worker was already taken out. The README tells operators to check the count.
+        # after the worker was already taken out. docs/operations.md tells operators to check the count.
         assert status == 200 or (status == 500 and b"ConcurrentModificationException" in body), body
         time.sleep(2.0)
         workers = server.workers("tiny_scale2")
