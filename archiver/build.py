@@ -34,7 +34,7 @@ MODEL_CONFIG = "model-config.yaml"
 # What a worker imports: slm_core without its build half and the Python API that joins both (the
 # compiled graph replaces the model).
 SERVE_SOURCES = ("slm_core",)
-BUILD_ONLY = {"build", "api.py"}  # of slm_core's top level
+BUILD_ONLY = {"compile", "api.py"}  # of slm_core's top level
 
 
 @dataclass(frozen=True)

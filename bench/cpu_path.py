@@ -15,8 +15,8 @@ from tokenizers import Tokenizer
 
 from bench.workloads import WORKLOADS, TextMaker
 from slm_core.pieces import tokenizer_threads
-from slm_core.serve.engine import Engine
 from slm_core.serve.protocol import Request, respond_batch
+from slm_core.serve.runtime import Runtime
 from slm_core.spec import TaskSpec
 from slm_core.tasks import Task, task_for
 
@@ -57,7 +57,7 @@ def main() -> None:
         workload = WORKLOADS[name]
         batches = [int(b) for b in args.batches.split(",")]
         task = task_for(TaskSpec.from_dict({**workload.task, "max_batch": max(batches)}), tokenizer)
-        engine = Engine(StubGraph(task, tokenizer.get_vocab_size(), workload.arch["hidden_size"]), task, "cpu")
+        engine = Runtime(StubGraph(task, tokenizer.get_vocab_size(), workload.arch["hidden_size"]), task, "cpu")
         bodies = [
             Request({"body": json.dumps(b).encode()})
             for b in TextMaker(tokenizer, seed=2).requests(workload, max(batches))

@@ -17,12 +17,12 @@ import numpy as np
 
 from slm_core.compile.checkpoint import load_checkpoint
 from slm_core.compile.eager import eager_engine
-from slm_core.serve import engine
 from slm_core.serve.loader import load_package
+from slm_core.serve.runtime import Runtime
 from slm_core.spec import RuntimeSpec, TaskSpec
 
 
-class Engine(engine.Engine):
+class Engine(Runtime):
     """The runtime with the Python API of its task's kind."""
 
     def score(self, texts: list[str]) -> list[list[float]]:

@@ -1,5 +1,5 @@
 """A task's tokenizer: request text -> template -> token ids, every bound checked first; nothing is
-truncated. The engine packs the ids into a call's preallocated buffers (slm_core.serve.engine).
+truncated. The engine packs the ids into a call's preallocated buffers (slm_core.serve.runtime).
 
 Special tokens (`<|im_end|>`, ...) are matched in the template only: a user's text that spells one
 is tokenized as the characters it is, so it can neither end the prompt nor open a turn of its own

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from slm_core.errors import InputError, SpecError
-from slm_core.serve.engine import Engine
+from slm_core.serve.runtime import Runtime
 from slm_core.tasks import Difference, Task
 
 CHECK_TEXTS = [
@@ -53,7 +53,7 @@ def fitting(task: Task, texts: list[str]) -> list[str]:
     return fit
 
 
-def compare(reference: Engine, candidate: Engine, batches: list[list[Any]]) -> list[Difference]:
+def compare(reference: Runtime, candidate: Runtime, batches: list[list[Any]]) -> list[Difference]:
     """Each request of each batch: its answer from `reference` alone against its answer from
     `candidate` in a call with the rest of its batch."""
     task = reference.task
@@ -65,7 +65,7 @@ def compare(reference: Engine, candidate: Engine, batches: list[list[Any]]) -> l
     return differences
 
 
-def check_compiled(eager: Engine, compiled: Engine) -> dict[str, Any]:
+def check_compiled(eager: Runtime, compiled: Runtime) -> dict[str, Any]:
     """The compiled engine against the eager one on the check texts, each request alone, then a
     full call of max_batch requests; SpecError past the task's tolerance."""
     task = eager.task
@@ -79,7 +79,7 @@ def check_compiled(eager: Engine, compiled: Engine) -> dict[str, Any]:
     return check
 
 
-def fp8_gate(reference: Engine, quantized: Engine, thresholds: GateThresholds) -> dict[str, Any]:
+def fp8_gate(reference: Runtime, quantized: Runtime, thresholds: GateThresholds) -> dict[str, Any]:
     """The FP8 engine against the task in bf16 (`reference`, eager) on EVAL_TEXTS, a request's
     worth of texts at a time; SpecError when it fails the thresholds."""
     task = reference.task
@@ -94,7 +94,7 @@ def fp8_gate(reference: Engine, quantized: Engine, thresholds: GateThresholds) -
     return gate
 
 
-def time_calls(engine: Engine, repeat: int = 5) -> dict[str, float]:
+def time_calls(engine: Runtime, repeat: int = 5) -> dict[str, float]:
     """Milliseconds of one graph call at the task's bounds, copy-in to results on the host, per
     number of requests in the call (1, 2, 4, ... and max_batch; JSON keys), each request at its
     sequence and token bounds: the slowest call a worker makes with that many requests, which

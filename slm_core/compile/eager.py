@@ -8,7 +8,7 @@ from slm_core.compile.checkpoint import Checkpoint
 from slm_core.compile.fp8 import CALIBRATION_TEXTS, calibrate, quantize_linears
 from slm_core.compile.graphs import GRAPHS
 from slm_core.compile.model import Transformer
-from slm_core.serve.engine import Engine
+from slm_core.serve.runtime import Runtime
 from slm_core.spec import PRECISIONS, RuntimeSpec, TaskSpec
 from slm_core.tasks import Task, task_class, task_for
 
@@ -29,12 +29,12 @@ def build_graph(ckpt: Checkpoint, task: Task, runtime: RuntimeSpec) -> nn.Module
     model.load_hf_weights(ckpt.weights, lm_head=graph_class.lm_head)
     graph = graph_class.build(task, model, ckpt, runtime).to(runtime.device).eval()
     if task.spec.precision == "fp8-static":
-        engine = Engine(graph, task, runtime.device)  # still bf16: each calibration text as a request alone
+        engine = Runtime(graph, task, runtime.device)  # still bf16: each calibration text as a request alone
         amax = calibrate(model, lambda: [engine.run([task.request_of([text])]) for text in CALIBRATION_TEXTS])
         quantize_linears(model, amax, runtime.kernels == "triton")
     return graph
 
 
-def eager_engine(ckpt: Checkpoint, spec: TaskSpec, runtime: RuntimeSpec, engine: type[Engine] = Engine) -> Engine:
+def eager_engine(ckpt: Checkpoint, spec: TaskSpec, runtime: RuntimeSpec, engine: type[Runtime] = Runtime) -> Runtime:
     task = prepare(ckpt, spec, runtime)
     return engine(build_graph(ckpt, task, runtime), task, runtime.device)

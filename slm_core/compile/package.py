@@ -19,8 +19,8 @@ from slm_core.compile.checks import GateThresholds, check_compiled, fp8_gate, ti
 from slm_core.compile.eager import build_graph, prepare
 from slm_core.compile.export import compile_package, export_graph
 from slm_core.errors import SpecError
-from slm_core.serve.engine import Engine
 from slm_core.serve.loader import load_graph, serving_engine
+from slm_core.serve.runtime import Runtime
 from slm_core.spec import PRECISIONS, RuntimeSpec, TaskSpec
 
 
@@ -70,8 +70,8 @@ def build_package(
         f"AOTInductor compile for {dev.type} (on 2 CPU cores: ~1 min for a 30-layer score graph, ~4 for a beam graph)",
         lambda: compile_package(program, str(out_dir / package.GRAPH), progress),
     )
-    eager = Engine(graph, task, dev)
-    compiled = Engine(load_graph(path), task, dev)
+    eager = Runtime(graph, task, dev)
+    compiled = Runtime(load_graph(path), task, dev)
     check = step("checking the compiled graph against eager", lambda: check_compiled(eager, compiled))
     if dev.type == "cuda":  # the way it serves: replayed from CUDA graphs, padded to size buckets
         del compiled
@@ -84,7 +84,7 @@ def build_package(
     fp8 = None
     if task.spec.precision == "fp8-static":  # what serves, against the same task in bf16
         bf16 = prepare(ckpt, dataclasses.replace(task.spec, precision="bf16"), runtime)
-        reference = Engine(build_graph(ckpt, bf16, runtime), bf16, dev)
+        reference = Runtime(build_graph(ckpt, bf16, runtime), bf16, dev)
         fp8 = step("accuracy gate: compiled fp8-static against bf16", lambda: fp8_gate(reference, compiled, gate))
         progress(f"accuracy gate passed: {fp8}")
     call_ms = step("timing calls at the token bounds (1, 2, 4 ... max_batch requests)", lambda: time_calls(compiled))

@@ -1,39 +1,14 @@
-"""A request as its host hands it over, and its body: raw bytes -> one JSON value, parsed once,
-with the protocol's bounds (digits, nesting) named in JSON's terms; and what a body asks of the
-engine (Form): its request values and how their answers make the reply."""
+"""A request's body: raw bytes -> one JSON value, parsed once, with the protocol's bounds (digits,
+nesting) named in JSON's terms."""
 
 import json
-import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from slm_core.errors import InputError, bounded, names
+from slm_core.serve.messages import Request
 
 MAX_DIGITS = 32  # of an integer in a request body: a bound of the protocol, not of Python
 INT_LIMIT = 10**MAX_DIGITS
-
-
-@dataclass(frozen=True)
-class Request:
-    """One request as its host hands it over: its parameters (TorchServe: the body under "body",
-    or a form's fields), its HTTP headers (names in lower case) and when the host handed it over
-    (time.monotonic())."""
-
-    parameters: Mapping[str, Any]
-    headers: Mapping[str, str] = field(default_factory=dict)
-    received: float = field(default_factory=time.monotonic)
-
-
-@dataclass(frozen=True)
-class Form:
-    """What one request body asks: the engine request values it holds (one, or a KServe v1 body's
-    instances), how their answers make the reply's JSON object, and how an error of value i is
-    prefixed in the reply (a v1 body's "instances[i]: ")."""
-
-    values: list
-    answer: Callable[[list], Any]
-    where: Callable[[int], str] = lambda i: ""
 
 
 def request_body(request: Request) -> object:

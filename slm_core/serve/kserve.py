@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 
 from slm_core.errors import InputError, bounded, json_type, names
-from slm_core.serve.body import Form, parse_body
+from slm_core.serve.body import parse_body
+from slm_core.serve.messages import Decoded
 from slm_core.tasks.base import Task, Tensor
 
 V1_FIELDS = {"instances"}
@@ -39,21 +40,9 @@ INTEGERS = {
 MAX_RANK = 4
 
 
-def form(task: Task, value: Any, model: tuple[str, str]) -> Form | None:
-    """The Form of a parsed JSON body in a KServe protocol, or None for a native body (one that
-    holds the task's own field, or neither protocol's)."""
-    if not isinstance(value, dict) or task.field in value:
-        return None
-    if "instances" in value:
-        return v1(task, value)
-    if "inputs" in value:
-        return v2(task, value, b"", model)
-    return None
-
-
-def binary_form(task: Task, raw: Any, header: str, model: tuple[str, str]) -> Form:
-    """The Form of a v2 body in Triton's binary tensor extension: `header` bytes of JSON, then
-    the inputs' data."""
+def v2_binary(task: Task, raw: Any, header: str, model: tuple[str, str]) -> Decoded:
+    """A v2 body in Triton's binary tensor extension: `header` bytes of JSON, then the inputs'
+    data."""
     if not isinstance(raw, (bytes, bytearray)):
         raise InputError(
             "header Inference-Header-Content-Length needs a binary body (Content-Type: application/octet-stream)"
@@ -73,7 +62,9 @@ def binary_form(task: Task, raw: Any, header: str, model: tuple[str, str]) -> Fo
 
 
 # --- v1 ---------------------------------------------------------------------------------------------
-def v1(task: Task, value: dict) -> Form:
+def v1(task: Task, value: dict) -> Decoded:
+    """{"instances": [native body, ...]} -> one engine request per instance, answered as
+    {"predictions": [...]}."""
     unknown = set(value) - V1_FIELDS
     if unknown:
         raise InputError(f"unknown fields {names(unknown)}; a KServe v1 request has only 'instances'")
@@ -92,7 +83,9 @@ def v1(task: Task, value: dict) -> Form:
             values.append(task.request(instance))
         except InputError as e:
             raise InputError(f"instances[{i}]: {e}", e.bound, e.limit, e.status) from None
-    return Form(values, lambda answers: {"predictions": [task.body(a) for a in answers]}, lambda i: f"instances[{i}]: ")
+    return Decoded(
+        values, lambda answers: {"predictions": [task.body(a) for a in answers]}, lambda i: f"instances[{i}]: "
+    )
 
 
 # --- v2 ---------------------------------------------------------------------------------------------
@@ -105,7 +98,7 @@ def metadata(task: Task) -> dict:
     return {"inputs": described(task.v2_inputs()), "outputs": described(task.v2_outputs())}
 
 
-def v2(task: Task, value: dict, blob: bytes, model: tuple[str, str]) -> Form:
+def v2(task: Task, value: dict, blob: bytes, model: tuple[str, str]) -> Decoded:
     """An inference request -> the task's request body, checked tensor by tensor, and its answer
     as the response's output tensors."""
     unknown = set(value) - V2_FIELDS
@@ -153,7 +146,7 @@ def v2(task: Task, value: dict, blob: bytes, model: tuple[str, str]) -> Form:
         reply = {"model_name": model[0], "model_version": model[1], "outputs": outputs(task, answers[0], wanted)}
         return reply if request_id is None else {"id": request_id, **reply}
 
-    return Form([request], answer)
+    return Decoded([request], answer)
 
 
 def _input(tensor: dict, spec: Tensor, where: str, blob: bytes, offset: int) -> tuple[list, int]:

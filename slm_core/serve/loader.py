@@ -20,8 +20,8 @@ from tokenizers import Tokenizer
 
 from slm_core import manifest as package
 from slm_core.errors import SpecError
-from slm_core.serve.engine import Engine
 from slm_core.serve.replay import CudaGraphs
+from slm_core.serve.runtime import Runtime
 from slm_core.spec import TaskSpec
 from slm_core.tasks import Task, task_for
 
@@ -31,12 +31,12 @@ _mine: tuple[Path, object] | None = None  # this process's directory and the loc
 
 
 def load_package(
-    model_dir: "str | Path", gpu_id: int | None = None, cuda_graphs: bool = True, engine: type[Engine] | None = None
-) -> Engine:
-    """The Engine (or `engine` class) of a built package: its task as the manifest records it,
+    model_dir: "str | Path", gpu_id: int | None = None, cuda_graphs: bool = True, engine: type[Runtime] | None = None
+) -> Runtime:
+    """The Runtime (or `engine` class) of a built package: its task as the manifest records it,
     its compiled graph on `cuda:{gpu_id}` for CUDA builds, there replaying every size bucket from
     a CUDA graph captured now (unless cuda_graphs is False)."""
-    engine = engine or Engine
+    engine = engine or Runtime
     model_dir = Path(model_dir)
     manifest = package.read(model_dir)
     task = load_task(model_dir, manifest)
@@ -55,11 +55,11 @@ def load_package(
 
 
 def serving_engine(
-    path: str, task: Task, device: torch.device, cuda_graphs: bool, engine: type[Engine] | None = None
-) -> Engine:
+    path: str, task: Task, device: torch.device, cuda_graphs: bool, engine: type[Runtime] | None = None
+) -> Runtime:
     """A CUDA package's engine on `device`: with cuda_graphs, every bucket of the task's bounds
     captured now, in the engine's request context."""
-    engine = engine or Engine
+    engine = engine or Runtime
     # CUDA-graph capture needs the package's runner loaded single-threaded; AOTI takes no None index
     start = time.perf_counter()
     graph = load_graph(path, run_single_threaded=cuda_graphs, device_index=device.index)

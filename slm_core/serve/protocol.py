@@ -10,7 +10,7 @@ new process can use again.
 
 import logging
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -18,21 +18,15 @@ import orjson
 
 from slm_core.errors import DeviceLost, InputError, bounded
 from slm_core.serve import kserve
-from slm_core.serve.body import Form, Request, parse_body, request_body
+from slm_core.serve.body import parse_body, request_body
 from slm_core.serve.deadline import Deadlines
-from slm_core.serve.engine import CallStats, Engine
+from slm_core.serve.messages import BodyKind, Decoded, Reply, Request
+from slm_core.serve.runtime import Runtime
 from slm_core.tasks import Task
 
-__all__ = ["Reply", "Request", "encode", "error", "form", "respond", "respond_batch"]
+__all__ = ["Reply", "Request", "body_kind", "decode", "encode", "error", "respond", "respond_batch"]
 log = logging.getLogger(__name__)
-BINARY_HEADER = "inference-header-content-length"  # Triton's binary tensor extension (kserve.binary_form)
-
-
-@dataclass(frozen=True)
-class Reply:
-    status: int
-    body: bytes
-    stats: CallStats | None = None  # set when the graph ran
+BINARY_HEADER = "inference-header-content-length"  # Triton's binary tensor extension (kserve.v2_binary)
 
 
 def encode(obj: Any) -> bytes:
@@ -67,25 +61,50 @@ def error(status: int, message: str) -> Reply:
     return Reply(status, encode({"error": safe}))
 
 
-def form(task: Task, request: Request, model: tuple[str, str] = ("", "")) -> Form:
-    """What a request asks: a native body, or KServe's v1 or v2 (model: the name and version a v2
-    answer names)."""
+def body_kind(request: Request, field: str) -> tuple[BodyKind, Any]:
+    """Which protocol a request's body speaks, decided once, and the body as that kind's decoder
+    reads it: Triton's binary header (the raw bytes); else the parsed JSON: an object without the
+    task's own `field` that holds 'instances' (KServe v1) or 'inputs' (v2); else the native body.
+    A body with the task's field is native whatever else it holds (its decoder names the rest)."""
     raw = request_body(request)
-    header = request.headers.get(BINARY_HEADER)
-    if header is not None:
-        return kserve.binary_form(task, raw, header, model)
+    if BINARY_HEADER in request.headers:
+        return BodyKind.KSERVE_V2_BINARY, raw
     value = parse_body(raw)
-    return kserve.form(task, value, model) or Form([task.request(value)], lambda answers: task.body(answers[0]))
+    if isinstance(value, dict) and field not in value:
+        if "instances" in value:
+            return BodyKind.KSERVE_V1, value
+        if "inputs" in value:
+            return BodyKind.KSERVE_V2, value
+    return BodyKind.NATIVE, value
+
+
+DECODERS = {  # kind -> (task, body, headers, model) -> Decoded
+    BodyKind.NATIVE: lambda task, value, headers, model: Decoded(
+        [task.request(value)], lambda answers: task.body(answers[0])
+    ),
+    BodyKind.KSERVE_V1: lambda task, value, headers, model: kserve.v1(task, value),
+    BodyKind.KSERVE_V2: lambda task, value, headers, model: kserve.v2(task, value, b"", model),
+    BodyKind.KSERVE_V2_BINARY: lambda task, raw, headers, model: kserve.v2_binary(
+        task, raw, headers[BINARY_HEADER], model
+    ),
+}
+
+
+def decode(task: Task, request: Request, model: tuple[str, str] = ("", "")) -> Decoded:
+    """What a request asks of the engine: its body's kind (body_kind), read by that kind's decoder
+    (model: the name and version a v2 answer names)."""
+    kind, body = body_kind(request, task.field)
+    return DECODERS[kind](task, body, request.headers, model)
 
 
 def respond(
-    engine: Engine, request: Request, deadlines: Deadlines | None = None, model: tuple[str, str] = ("", "")
+    engine: Runtime, request: Request, deadlines: Deadlines | None = None, model: tuple[str, str] = ("", "")
 ) -> Reply:
     return respond_batch(engine, [request], deadlines, model)[0]
 
 
 def respond_batch(
-    engine: Engine, requests: list[Request], deadlines: Deadlines | None = None, model: tuple[str, str] = ("", "")
+    engine: Runtime, requests: list[Request], deadlines: Deadlines | None = None, model: tuple[str, str] = ("", "")
 ) -> list[Reply]:
     """The replies to a batch, in order. Up to max_batch request values share one graph call, a
     request's values (a v1 body's instances) the same one; a bad request gets its own 4xx and is
@@ -94,10 +113,10 @@ def respond_batch(
     logged, or DeviceLost raised when the device fails every call after it."""
     task = engine.task
     replies: list[Reply | None] = [None] * len(requests)
-    forms: dict[int, Form] = {}
+    decoded: dict[int, Decoded] = {}
     for i, request in enumerate(requests):
         try:
-            forms[i] = form(task, request, model)
+            decoded[i] = decode(task, request, model)
         except InputError as e:
             replies[i] = error(e.status, str(e))
         except Exception:
@@ -105,17 +124,17 @@ def respond_batch(
             replies[i] = error(500, "internal error while running the request")
     calls: list[list[int]] = [[]]
     sizes = [0]  # each call's request values
-    for i, f in forms.items():  # in order, a call filled up before the next begins
-        if sizes[-1] + len(f.values) > task.max_batch:
+    for i, d in decoded.items():  # in order, a call filled up before the next begins
+        if sizes[-1] + len(d.values) > task.max_batch:
             calls.append([])
             sizes.append(0)
         calls[-1].append(i)
-        sizes[-1] += len(f.values)
+        sizes[-1] += len(d.values)
     for call, size in zip(calls, sizes):
         if deadlines is not None:
             call = [i for i in call if not _late(deadlines, requests[i], size, replies, i)]
         if call:
-            _call(engine, forms, call, replies)
+            _call(engine, decoded, call, replies)
     return replies
 
 
@@ -130,10 +149,10 @@ def _late(deadlines: Deadlines, request: Request, requests: int, replies: list, 
     return refusal is not None
 
 
-def _call(engine: Engine, forms: dict[int, Form], members: list[int], replies: list) -> None:
+def _call(engine: Runtime, decoded: dict[int, Decoded], members: list[int], replies: list) -> None:
     """One graph call for the values of requests `members`; their replies go to replies[members]."""
     try:
-        results = iter(engine.run([v for i in members for v in forms[i].values]))
+        results = iter(engine.run([v for i in members for v in decoded[i].values]))
     except Exception as e:  # a bug or a device fault: these requests fail, the worker lives on
         if not engine.usable():  # unless the device is gone for this process
             raise DeviceLost(f"{engine.device} fails every call after: {bounded(str(e))}") from e
@@ -142,18 +161,18 @@ def _call(engine: Engine, forms: dict[int, Form], members: list[int], replies: l
             replies[i] = error(500, "internal error while running the request")
         return
     for i in members:
-        f = forms[i]
-        mine = [next(results) for _ in f.values]
+        d = decoded[i]
+        mine = [next(results) for _ in d.values]
         failed = [(k, r.error) for k, r in enumerate(mine) if r.error is not None]
         if failed:
             k, e = failed[0]
-            replies[i] = error(e.status, f.where(k) + str(e))
+            replies[i] = error(e.status, d.where(k) + str(e))
             continue
         stats = mine[0].stats
         if len(mine) > 1:  # one call: its time and batch; the request's texts and tokens, all of them
             stats = replace(stats, texts=sum(r.stats.texts for r in mine), tokens=sum(r.stats.tokens for r in mine))
         try:
-            replies[i] = Reply(200, encode(f.answer([r.answer for r in mine])), stats)
+            replies[i] = Reply(200, encode(d.answer([r.answer for r in mine])), stats)
         except ValueError:  # a NaN or infinity from the graph, which JSON cannot carry: this request only
             log.exception("a non-finite number in a graph's output")
             replies[i] = error(500, "internal error: the model produced a non-finite number")

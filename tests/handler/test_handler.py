@@ -164,7 +164,7 @@ def test_a_worker_serves_with_the_build_time_modules_unimportable(archives, tmp_
     served = json.loads(run.stdout.splitlines()[-1])
     assert served["status"] == 200
     assert not [m for m in served["modules"] if m.startswith(("slm_core.compile", "slm_core.api"))]
-    assert "slm_core.serve.engine" in served["modules"] and "slm_core.tasks.beam" in served["modules"]
+    assert "slm_core.serve.runtime" in served["modules"] and "slm_core.tasks.beam" in served["modules"]
     expected = load_package(archives["tiny_beam"], engine=Engine).beam("a small language model")
     assert [c["token_ids"] for c in json.loads(served["body"])["candidates"]] == [c["token_ids"] for c in expected]
 
@@ -205,7 +205,7 @@ class FakeCuda:
         )
         monkeypatch.setattr(
             loader,
-            "Engine",
+            "Runtime",
             lambda graph, task, device, replay=None: (
                 self.record("engine", (graph, device))
                 or SimpleNamespace(

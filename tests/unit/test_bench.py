@@ -67,7 +67,7 @@ def test_cpu_path_times_the_handlers_work_around_a_stub_graph(smollm2, tmp_path,
     assert all(float(line.split(": ")[1].split()[0]) > 0 for line in lines)
     tokenizer = smollm2[1].tokenizer
     task = task_for(TaskSpec.from_dict({**WORKLOADS["W2"].task, "max_batch": 2}), tokenizer)
-    engine = cpu_path.Engine(cpu_path.StubGraph(task, tokenizer.get_vocab_size(), 896), task, "cpu")
+    engine = cpu_path.Runtime(cpu_path.StubGraph(task, tokenizer.get_vocab_size(), 896), task, "cpu")
     replies = respond_batch(
         engine, [Request({"body": b'{"prompt": "a question"}'}), Request({"body": b'{"prompt": 3}'})]
     )

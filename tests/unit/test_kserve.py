@@ -289,3 +289,45 @@ def test_a_bad_instance_or_tensor_never_touches_its_batch(engines):
     score = engines["score"]
     answers, _ = ask(score, {"instances": [{"texts": 1}]}, {"texts": TEXTS[:1]}, texts_input(datatype="INT8"))
     assert [s for s, _ in answers] == [400, 200, 400] and answers[1][1] == native(score, {"texts": TEXTS[:1]})
+
+
+@pytest.mark.parametrize(
+    "body, headers, kind, status, shown",
+    [
+        ({"texts": ["a"]}, {}, "NATIVE", 200, "labels"),
+        ({"instances": [{"texts": ["a"]}]}, {}, "KSERVE_V1", 200, "predictions"),
+        (
+            {"inputs": [{"name": "texts", "datatype": "BYTES", "shape": [1], "data": ["a"]}]},
+            {},
+            "KSERVE_V2",
+            200,
+            "outputs",
+        ),
+        (
+            b'{"inputs": []}',
+            {"inference-header-content-length": "14"},
+            "KSERVE_V2_BINARY",
+            400,
+            "'inputs' must be an array of 1 to",
+        ),
+        # a KServe body that is also the task's own: the task's field decides, and the native
+        # decoder names what else the body holds
+        ({"texts": ["a"], "instances": [{"texts": ["b"]}]}, {}, "NATIVE", 400, "instances"),
+        ({"texts": ["a"], "inputs": []}, {}, "NATIVE", 400, "inputs"),
+        ({"instances": 3, "inputs": []}, {}, "KSERVE_V1", 400, "a KServe v1 request has only 'instances'"),
+        (["a list"], {}, "NATIVE", 400, "JSON object"),
+        ({}, {}, "NATIVE", 400, "texts"),
+    ],
+)
+def test_each_body_shape_is_decided_once_and_sent_to_its_decoder(engines, body, headers, kind, status, shown):
+    """protocol.body_kind, the one place a body's protocol is decided, per shape; the reply comes
+    from that kind's decoder: its answer, or its own 400 naming the problem."""
+    from slm_core.serve.messages import BodyKind
+    from slm_core.serve.protocol import body_kind
+
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    decided, value = body_kind(Request({"body": raw}, headers), "texts")
+    assert decided is BodyKind[kind]
+    assert value == (raw if decided is BodyKind.KSERVE_V2_BINARY else json.loads(raw))
+    [(got, reply)], _ = ask(engines["score"], raw, headers=headers)
+    assert got == status and (shown in reply if status == 200 else shown in reply["error"]), reply

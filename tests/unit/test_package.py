@@ -85,7 +85,7 @@ def test_archives_carry_their_serving_spec_and_serve_time_sources_only(archives)
     manifest = read_manifest(store / "tiny_beam.mar")
     assert beam == plan(ServingOptions(deadline_ms=80), "cpu", 2, manifest["call_ms"])[0] and beam.deadline_ms == 80
     names = zipfile.ZipFile(store / "tiny_beam.mar").namelist()
-    assert "slm_core/serve/engine.py" in names and "slm_core/tasks/beam.py" in names
+    assert "slm_core/serve/runtime.py" in names and "slm_core/tasks/beam.py" in names
     assert not [n for n in names if n.startswith(("slm_core/compile/", "slm_core/api.py", "slm_kernels/"))]
 
 

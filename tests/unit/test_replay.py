@@ -8,8 +8,8 @@ from helpers import engine_for
 from tokenizers import Tokenizer
 
 from slm_core.compile.checkpoint import load_checkpoint
-from slm_core.serve.engine import Engine
 from slm_core.serve.replay import bucket, bucket_grid, pad_inputs
+from slm_core.serve.runtime import Runtime
 from slm_core.spec import TaskSpec
 from slm_core.tasks import task_for
 
@@ -125,7 +125,7 @@ def test_padded_calls_answer_as_unpadded(random_checkpoint):
     ):
         plain = engine_for(ckpt, **spec)
         fake = PaddedEager(plain.graph, plain.task)
-        padded = Engine(plain.graph, plain.task, "cpu", fake)
+        padded = Runtime(plain.graph, plain.task, "cpu", fake)
         for requests in batches:  # the second is a full call: its padding needs the extra sequence
             for a, b in zip(plain.run(requests), padded.run(requests)):
                 if kind == "score":

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from slm_core import InputError, SpecError, TaskSpec
-from slm_core.serve.engine import Engine
+from slm_core.serve.runtime import Runtime
 from slm_core.tasks import task_for
 
 STRINGS = [
@@ -53,7 +53,7 @@ def test_texts_encode_each_with_the_template(score):
 
 
 def test_packing_writes_contiguous_ids_and_boundaries_and_nothing_for_a_refused_request(score):
-    engine = Engine(lambda ids, cu: None, score, "cpu")
+    engine = Runtime(lambda ids, cu: None, score, "cpu")
     engine.context.ids.fill_(-1)
     engine.context.cu.fill_(-1)
     values = [["cheap flights", "x"], [], ["hotel in rome"]]

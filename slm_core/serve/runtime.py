@@ -71,7 +71,7 @@ class Context:
         self.stream = torch.cuda.Stream(device) if pin else None
 
 
-class Engine:
+class Runtime:
     """Runs one task's graph, eager (an nn.Module) or compiled (an AOTInductor package with the
     same signature). Calls take the engine's request context in turn."""
 
