@@ -15,7 +15,7 @@ How a step expands beams is the subclass's (`expand`): here the whole vocabulary
 beam; slm_core.compile.catalog_graph the children of each beam's trie node.
 """
 
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -124,62 +124,153 @@ class BeamGraph(nn.Module):
         options: torch.Tensor,
         constants: tuple[torch.Tensor, ...],
     ) -> tuple[torch.Tensor, ...]:
-        """forward's outputs and the item of each pool candidate [B, W] (-1 without items)."""
-        w, n, dev = self.width, self.new_tokens, input_ids.device
-        b = cu_seqlens.shape[0] - 1
-        width, limit = options[:, 0:1].long(), options[:, 1:2].long()  # [B, 1] each
-        slot = torch.arange(w, device=dev)[None, :]
+        """forward's outputs and the item of each pool candidate [B, W] (-1 without items): the
+        prompts' prefill, then per new token a decode step of the running beams (after the
+        first), the selection of their continuations, the finished pool's merge, and the running
+        beams that go on."""
+        limits = options[:, 0:1].long(), options[:, 1:2].long()  # width and new tokens, [B, 1] each
         head = self.head(constants)
-        hidden, prefix = self.model.prefill(input_ids, cu_seqlens)  # prompt K/V: once, [T, Hkv, D] per layer
-        logits = self.logits(hidden, head)  # [B, V]: each prompt's last token
-        prompt_len = (cu_seqlens[1:] - cu_seqlens[:-1]).long()[:, None].expand(b, w).reshape(-1)  # [B*W]
-
-        history = torch.zeros(b, 1, 0, dtype=torch.int64, device=dev)  # running beams' tokens [B, K, step-1]
-        cum = torch.zeros(b, 1, dtype=torch.float32, device=dev)
-        state = self.start(b, dev)
-        suffix = None  # per layer [B*W, step-1, Hkv, D] from the first decode on
-        pool_tokens = torch.full((b, w, n), self.pad_id, dtype=torch.int64, device=dev)
-        pool_lengths = torch.zeros(b, w, dtype=torch.int64, device=dev)
-        pool_scores = torch.full((b, w), NEG, dtype=torch.float32, device=dev)
-        pool_done = torch.zeros(b, w, dtype=torch.bool, device=dev)
-        pool_items = torch.full((b, w), -1, dtype=torch.int64, device=dev)
-
-        for step in range(1, n + 1):  # `step` tokens generated after this iteration
+        logits, prompt = self.prefill(input_ids, cu_seqlens, head)
+        b, dev = cu_seqlens.shape[0] - 1, input_ids.device
+        beams = Beams(
+            torch.zeros(b, 1, 0, dtype=torch.int64, device=dev),
+            torch.zeros(b, 1, dtype=torch.float32, device=dev),
+            self.start(b, dev),
+            None,
+        )
+        pool = self.empty_pool(b, dev)
+        for step in range(1, self.new_tokens + 1):  # `step` tokens generated after this iteration
             if step > 1:
-                last = history[:, :, -1].reshape(-1)  # [B*W]
-                hidden, suffix = self.model.decode(last, prompt_len + (step - 2), prefix, cu_seqlens, suffix)
-                logits = self.logits(hidden, head)  # [B*W, V]
-            scores, place, parent, token, stopped, grown, item = self.expand(
-                logits, cum, state, step, options, constants
-            )
-            scores = torch.where(place < 2 * width, scores, -INF)  # a width-w search has 2w candidates
-            candidates = torch.cat([take(history, parent), token[:, :, None]], dim=2)  # [B, 2W, step]
-            ends = torch.ones_like(stopped) if step == n else stopped | (limit == step)
+                logits, beams = self.step(beams, prompt, step, head)
+            chosen = self.select(logits, beams, step, limits, options, constants)
+            pool = self.finish(pool, chosen, step, limits)
+            if step < self.new_tokens:
+                beams = self.advance(beams, chosen, limits[0])
+        return pool.tokens, pool.lengths, pool.scores, pool.items
 
-            # Finished pool: merge candidates that end within the top w, keep the best. Once a
-            # prompt's pool holds w finished candidates nothing enters it any more (early_stopping=True).
-            finishing = ends & (place < width) & (limit >= step)
-            full = (pool_done | (slot >= width)).all(1, keepdim=True)
-            entering = scores + (~finishing).float() * NEG + full.float() * NEG
-            merged = torch.cat([pool_scores, entering], dim=1)  # [B, 3W]
-            keep = merged.topk(w, dim=1).indices
-            padded = F.pad(candidates, (0, n - step), value=self.pad_id)
-            pool_tokens = take(torch.cat([pool_tokens, padded], dim=1), keep)
-            pool_lengths = take(torch.cat([pool_lengths, torch.full_like(token, step)], dim=1), keep)
-            pool_scores = take(merged, keep)
-            pool_done = take(torch.cat([pool_done, finishing], dim=1), keep)
-            if item is not None:
-                pool_items = take(torch.cat([pool_items, item], dim=1), keep)
+    # --- the stages of the search ---------------------------------------------------------------------
+    def prefill(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, head) -> tuple[torch.Tensor, "Prompt"]:
+        """The prompts once: each one's last-token logits [B, V] and what every decode step reads
+        of them (their K/V, [T, Hkv, D] per layer, stored once for all beams)."""
+        hidden, prefix = self.model.prefill(input_ids, cu_seqlens)
+        b = cu_seqlens.shape[0] - 1
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()[:, None].expand(b, self.width).reshape(-1)  # [B*W]
+        return self.logits(hidden, head), Prompt(prefix, cu_seqlens, lengths)
 
-            if step < n:  # running beams: the best w that did not end; reorder history, state and suffix K/V only
-                cum, keep, place = top(scores + ends.float() * NEG, w)
-                cum = torch.where(place < width, cum, -INF)
-                history = take(candidates, keep)
-                state = tuple(take(s, keep) for s in grown)
-                if suffix is not None:
-                    rows = (take(parent, keep) + torch.arange(b, device=dev)[:, None] * w).flatten()
-                    suffix = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in suffix]
-        return pool_tokens, pool_lengths, pool_scores, pool_items
+    def step(self, beams: "Beams", prompt: "Prompt", step: int, head) -> tuple[torch.Tensor, "Beams"]:
+        """One token for every running beam: its last token through the decoder over the prompt's
+        K/V and its own suffix. Returns the logits [B*W, V] and the beams with their suffix grown."""
+        last = beams.history[:, :, -1].reshape(-1)  # [B*W]
+        positions = prompt.lengths + (step - 2)
+        hidden, suffix = self.model.decode(last, positions, prompt.kv, prompt.cu_seqlens, beams.suffix)
+        return self.logits(hidden, head), beams._replace(suffix=suffix)
+
+    def select(self, logits, beams: "Beams", step: int, limits, options, constants) -> "Chosen":
+        """Per prompt the top 2w continuations of its running beams (expand), with the tokens
+        each would hold and whether it ends: on a stop token, at the prompt's own last step or
+        at the last step of all."""
+        width, limit = limits
+        scores, place, parent, token, stopped, grown, item = self.expand(
+            logits, beams.cum, beams.state, step, options, constants
+        )
+        scores = torch.where(place < 2 * width, scores, -INF)  # a width-w search has 2w candidates
+        candidates = torch.cat([take(beams.history, parent), token[:, :, None]], dim=2)  # [B, 2W, step]
+        ends = torch.ones_like(stopped) if step == self.new_tokens else stopped | (limit == step)
+        return Chosen(scores, place, parent, candidates, ends, grown, item)
+
+    def empty_pool(self, b: int, device: torch.device) -> "Pool":
+        w, n = self.width, self.new_tokens
+        return Pool(
+            torch.full((b, w, n), self.pad_id, dtype=torch.int64, device=device),
+            torch.zeros(b, w, dtype=torch.int64, device=device),
+            torch.full((b, w), NEG, dtype=torch.float32, device=device),
+            torch.zeros(b, w, dtype=torch.bool, device=device),
+            torch.full((b, w), -1, dtype=torch.int64, device=device),
+        )
+
+    def finish(self, pool: "Pool", chosen: "Chosen", step: int, limits) -> "Pool":
+        """The finished pool with the continuations that end within the top w merged in, the best
+        w kept. Once a prompt's pool holds w finished candidates nothing enters it any more
+        (early_stopping=True)."""
+        width, limit = limits
+        slot = torch.arange(self.width, device=chosen.scores.device)[None, :]
+        finishing = chosen.ends & (chosen.place < width) & (limit >= step)
+        full = (pool.done | (slot >= width)).all(1, keepdim=True)
+        entering = chosen.scores + (~finishing).float() * NEG + full.float() * NEG
+        merged = torch.cat([pool.scores, entering], dim=1)  # [B, 3W]
+        keep = merged.topk(self.width, dim=1).indices
+        padded = F.pad(chosen.candidates, (0, self.new_tokens - step), value=self.pad_id)
+        lengths = torch.full_like(chosen.candidates[:, :, -1], step)
+        items = pool.items if chosen.item is None else take(torch.cat([pool.items, chosen.item], dim=1), keep)
+        return Pool(
+            take(torch.cat([pool.tokens, padded], dim=1), keep),
+            take(torch.cat([pool.lengths, lengths], dim=1), keep),
+            take(merged, keep),
+            take(torch.cat([pool.done, finishing], dim=1), keep),
+            items,
+        )
+
+    def advance(self, beams: "Beams", chosen: "Chosen", width: torch.Tensor) -> "Beams":
+        """The running beams of the next step: each prompt's best w continuations that did not
+        end, their tokens, search state and suffix K/V reordered to them (the prompt's K/V never
+        moves)."""
+        cum, keep, place = top(chosen.scores + chosen.ends.float() * NEG, self.width)
+        suffix = beams.suffix
+        if suffix is not None:
+            b = cum.shape[0]
+            rows = (take(chosen.parent, keep) + torch.arange(b, device=cum.device)[:, None] * self.width).flatten()
+            suffix = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in suffix]
+        return Beams(
+            take(chosen.candidates, keep),
+            torch.where(place < width, cum, -INF),
+            tuple(take(s, keep) for s in chosen.grown),
+            suffix,
+        )
+
+
+class Prompt(NamedTuple):
+    """What the decode steps read of the prefill: per layer the prompts' K/V [T, Hkv, D], their
+    boundaries [B+1] and each beam's prompt length [B*W]."""
+
+    kv: list
+    cu_seqlens: torch.Tensor
+    lengths: torch.Tensor
+
+
+class Beams(NamedTuple):
+    """Each prompt's running beams: tokens so far [B, K, step-1], cumulative scores [B, K] fp32,
+    the subclass's search state (tensors [B, K]) and per layer the suffix K/V [B*K, step-1, Hkv, D]
+    (None before the first decode)."""
+
+    history: torch.Tensor
+    cum: torch.Tensor
+    state: tuple
+    suffix: list | None
+
+
+class Chosen(NamedTuple):
+    """A step's top 2W continuations per prompt, in any order: scores [B, 2W] fp32, places among
+    them, parent beams, tokens so far [B, 2W, step], whether each ends, their search state and
+    the item each completes (or None)."""
+
+    scores: torch.Tensor
+    place: torch.Tensor
+    parent: torch.Tensor
+    candidates: torch.Tensor
+    ends: torch.Tensor
+    grown: tuple
+    item: torch.Tensor | None
+
+
+class Pool(NamedTuple):
+    """Each prompt's finished candidates, best first after each merge: tokens [B, W, N] (pad after
+    the end), lengths, scores (NEG where empty), whether finished, items (-1 without) [B, W]."""
+
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    scores: torch.Tensor
+    done: torch.Tensor
+    items: torch.Tensor
 
 
 def top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
