@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.reliability import open_loop, summary
+from bench.reliability.open_loop import open_loop, summary
 from handlers.local_server import TorchServe, free_ports
 
 REPO = Path(__file__).resolve().parents[1]

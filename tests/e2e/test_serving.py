@@ -183,7 +183,7 @@ def test_a_thousand_bad_requests_among_valid_ones_hurt_nobody(server):
     one the answer it gets alone, and no worker restarts."""
     import random
 
-    from bench.reliability import bad_requests, run, valid_requests
+    from bench.reliability.fuzz import bad_requests, run, valid_requests
 
     for model, task, items, n_bad, n_valid in (
         ("tiny_score", "score", 8, 1000, 100),
@@ -322,7 +322,9 @@ def test_overload_and_soak_short_versions(server):
     otherwise; after the burst everything offered is answered again; the workers' memory is sampled."""
     import random
 
-    from bench.reliability import overload, soak, valid_requests
+    from bench.reliability.fuzz import valid_requests
+    from bench.reliability.overload import overload
+    from bench.reliability.soak import soak
 
     url = f"{server.inference}/predictions/tiny_score"
     bodies = [p.body for p in valid_requests("score", 8, random.Random(3), 20)]
@@ -352,7 +354,8 @@ def test_the_kill_step_records_what_a_killed_worker_loses(server, archives):
     import random
 
     from archiver.build import configure
-    from bench.reliability import fault, kill_worker, valid_requests
+    from bench.reliability.faults import fault, kill_worker
+    from bench.reliability.fuzz import valid_requests
     from slm_core.serving import ServingOptions
 
     configure(archives["store"] / "tiny_score.mar", archives["store"], ServingOptions(workers=2), "tiny_kill2")

@@ -253,7 +253,7 @@ def test_the_open_loop_sends_every_phase_on_schedule_from_several_processes():
     the worker named in X-Slm-Worker and how late it was sent; on_start runs as the schedule starts."""
     import time
 
-    from bench.reliability import open_loop
+    from bench.reliability.open_loop import open_loop
 
     seen: list[bytes] = []
 
@@ -283,7 +283,7 @@ def test_the_open_loop_sends_every_phase_on_schedule_from_several_processes():
 def test_the_open_loop_hands_its_answers_over_while_it_runs():
     """on_records gets the answers so far during the run, and with them a time before which every
     request answered is among them: a soak cut short keeps the minutes it finished."""
-    from bench.reliability import open_loop
+    from bench.reliability.open_loop import open_loop
 
     calls: list[tuple[int, float]] = []
     with stand_in_server(lambda body: (200, {}, b"{}")) as url:
@@ -306,12 +306,12 @@ def test_the_open_loop_hands_its_answers_over_while_it_runs():
 
 def test_a_soak_reports_each_window_once_its_requests_are_answered(monkeypatch):
     """soak's on_window: the report so far, a window more each time, before the run ends."""
-    from bench import reliability
+    from bench.reliability import soak
 
-    monkeypatch.setattr(reliability, "worker_pids", lambda management, model: ["1"])
+    monkeypatch.setattr(soak, "worker_pids", lambda management, model: ["1"])
     reports: list[dict] = []
     with stand_in_server(lambda body: (200, {}, b"{}")) as url:
-        result = reliability.soak(
+        result = soak.soak(
             url,
             "unused",
             "m",
@@ -334,7 +334,7 @@ def test_reliability_judges_answers_under_load_against_the_answer_alone():
     exactly (1e-5, the CPU default) or within its package's compiled-against-eager tolerance
     (a batched bf16 call on the GPU rounds otherwise): score rows by their largest difference,
     beam candidates by the share in common and their scores."""
-    from bench.reliability import Tolerance, difference, judge
+    from bench.reliability.fuzz import Tolerance, difference, judge
 
     def within(a, b, tolerance):
         return judge(a, b, tolerance)[0]

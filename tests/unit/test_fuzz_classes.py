@@ -11,7 +11,7 @@ import sys
 import pytest
 from conftest import SCORE_TASK
 
-from bench.reliability import MAX_ERROR_BYTES, PYTHON_WORDS
+from bench.reliability.fuzz import MAX_ERROR_BYTES, PYTHON_WORDS
 from slm_core import Engine, InputError
 from slm_core.serve.protocol import Request, respond_batch
 from slm_core.spec import TaskSpec

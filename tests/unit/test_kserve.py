@@ -10,7 +10,7 @@ import pytest
 from conftest import BEAM_TASK, SCORE_TASK
 from helpers import engine_for, write_catalog
 
-from bench.reliability import PYTHON_WORDS
+from bench.reliability.fuzz import PYTHON_WORDS
 from slm_core.compile.checkpoint import load_checkpoint
 from slm_core.serve.kserve import metadata
 from slm_core.serve.protocol import Request, respond_batch
