@@ -9,9 +9,11 @@ management API, send real requests over REST, print the answers, stop.
 import argparse
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from handlers.local_server import TorchServe
@@ -48,30 +50,40 @@ def smollm2() -> str:
 
 
 def build_archives(store: Path, device: str) -> None:
+    """The archives the store lacks, built by the archiver CLI as many at once as the host has CPUs:
+    much of a build runs on one core (tracing, lowering, compiling the graph's C++). Each line a
+    build prints is prefixed with its archive's name."""
+    todo = []
     for name, task in ARCHIVES:
         if (store / f"{name}.mar").exists():
             print(f"== {name}.mar exists in {store}, reusing it (delete it to rebuild)")
-            continue
-        print(f"== building {name}.mar from {TASKS / task}")
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "archiver",
-                "build",
-                "--checkpoint",
-                smollm2(),
-                "--task",
-                str(TASKS / task),
-                "--model-name",
-                name,
-                "--export-path",
-                str(store),
-                "--device",
-                device,
-            ],
-            check=True,
-        )
+        else:
+            todo.append((name, task))
+    with ThreadPoolExecutor(max(1, min(len(todo), os.cpu_count() or 1))) as pool:
+        for failed in pool.map(lambda job: build_one(store, device, *job), todo):
+            if failed:
+                sys.exit(f"building {failed}.mar failed (its lines above say why)")
+
+
+def build_one(store: Path, device: str, name: str, task: str) -> str | None:
+    """One archive; returns its name if the build failed."""
+    say(f"== building {name}.mar from {TASKS / task}\n")
+    args = ["--checkpoint", smollm2(), "--task", str(TASKS / task), "--model-name", name, "--export-path", str(store)]
+    with subprocess.Popen(
+        [sys.executable, "-m", "archiver", "build", *args, "--device", device],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    ) as build:
+        for line in build.stdout:
+            say(f"[{name}] {line}")
+    return name if build.returncode else None
+
+
+def say(line: str) -> None:
+    """One whole line to stdout: builds run side by side."""
+    sys.stdout.write(line)
+    sys.stdout.flush()
 
 
 def retrieve(server: TorchServe, request: dict) -> dict:
