@@ -28,25 +28,13 @@ import json
 import torch
 
 from bench.kernels_bench import graph_ms
+from bench.workloads import QWEN25_05B
 from slm_core.compile.fp8 import calibrate, quantize_linears
 from slm_core.compile.model import Transformer
-from slm_core.spec import ModelSpec, RopeSpec
+from slm_core.spec import ModelSpec
 
 WIDTH, PROMPT, SUFFIX = 100, 88, 2  # W2: W = 100, prompts of 48-128 tokens; the third of 5 new tokens
-W2 = ModelSpec(
-    arch="qwen2",
-    vocab_size=151936,
-    hidden_size=896,
-    num_layers=24,
-    num_heads=14,
-    num_kv_heads=2,
-    head_dim=64,
-    intermediate_size=4864,
-    rms_norm_eps=1e-6,
-    rope=RopeSpec(theta=1e6),
-    tie_word_embeddings=True,
-    qkv_bias=True,
-)
+W2 = ModelSpec.from_hf_config(QWEN25_05B)  # W2's model (bench.workloads)
 
 
 def hbm_gb_per_s() -> float:
