@@ -12,6 +12,7 @@ stages over chunks) against slm_kernels/vocab_topk.py.
 """
 
 import argparse
+import contextlib
 import json
 import random
 
@@ -58,6 +59,18 @@ def graph_ms(fn, calls: int = 20, replays: int = 20) -> float:
         for _ in range(calls):
             fn()
     return median_ms(graph.replay, replays) / calls
+
+
+@contextlib.contextmanager
+def blas(library: str):
+    """cuBLAS's GEMMs through the given library ("cublas" or "cublaslt") inside the block: the choice
+    is read at each call, so a CUDA graph captured inside keeps the kernels it picked."""
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(library)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
 
 
 def timed(fn, ref) -> dict:

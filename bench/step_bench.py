@@ -15,7 +15,9 @@ the next step's reordering gather: those kernels are listed, and count here, not
 Variants:
 - "bf16": the graphs' decode (the Triton attention, QK-norm + RoPE and SiLU * up kernels,
   cuBLAS projections);
-- "fp8-static": the same with qkv, gate/up and down in E4M3 with one scale per tensor
+- "bf16 cuBLASLt": the same, its GEMMs through cuBLASLt's heuristics instead of cuBLAS's
+  (`torch.backends.cuda.preferred_blas_library`, read at each call);
+- "fp8-static": the same as "bf16" with qkv, gate/up and down in E4M3 with one scale per tensor
   (slm_core.compile.fp8), the input scales calibrated on the bench's own inputs.
 A candidate joins as another variant: a function of the bf16 model that returns the model to time.
 
@@ -27,7 +29,7 @@ import json
 
 import torch
 
-from bench.kernels_bench import graph_ms
+from bench.kernels_bench import blas, graph_ms
 from bench.workloads import QWEN25_05B
 from slm_core.compile.fp8 import calibrate, quantize_linears
 from slm_core.compile.model import Transformer
@@ -130,7 +132,12 @@ def measure(model: Transformer, rows_list: list[int], gbps: float) -> dict:
     return out
 
 
-VARIANTS = {"bf16": lambda model: model, "fp8-static": fp8_static}
+# name: (the model to time from the bf16 model, the BLAS library its GEMMs go through)
+VARIANTS = {
+    "bf16": (lambda model: model, "cublas"),
+    "bf16 cuBLASLt": (lambda model: model, "cublaslt"),
+    "fp8-static": (fp8_static, "cublas"),
+}
 
 
 def main() -> None:
@@ -151,9 +158,10 @@ def main() -> None:
     print(f"HBM read rate {gbps:.0f} GB/s")
     model = random_model()
     reference: dict[int, torch.Tensor] = {}
-    for name, make in VARIANTS.items():  # in order: each variant may change the model in place
+    for name, (make, library) in VARIANTS.items():  # in order: each variant may change the model in place
         try:
-            out = measure(make(model), rows_list, gbps)
+            with blas(library):
+                out = measure(make(model), rows_list, gbps)
         except Exception as e:  # a variant that does not compile or capture is reported, the rest go on
             results["variants"][name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
             print(f"\n{name}: {results['variants'][name]['error']}")
