@@ -6,7 +6,9 @@ flash SDPA with and without its pad/unpad, flash `varlen_attn` and compiled flex
 precomputed document-causal block mask; for beam decode SDPA over the prompt K/V copied per beam;
 for QK-norm + RoPE and SiLU * up what Inductor generates from the reference (what the graphs ran
 before the kernels). Also the beam step's vocabulary top-k with its logsumexp: PyTorch's (one pass, or two
-stages over chunks) against slm_kernels/vocab_topk.py.
+stages over chunks) against slm_kernels/vocab_topk.py, and the step's selections (each prompt's
+best continuations, its running beams, its finished pool) through torch.topk and through
+slm_kernels/row_topk.py.
 
     python -m bench.kernels_bench --out FILE.json [--only "selection"]
 """
@@ -15,16 +17,17 @@ import argparse
 import contextlib
 import json
 import random
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
 
-from slm_core.compile.beam_graph import places, top
 from slm_kernels.attention_ref import packed_attention_ref, prefix_suffix_attention_ref, random_prefix_inputs
 from slm_kernels.layer_ref import qkv_rope_ref, silu_mul_ref
 from slm_kernels.packed_attention import packed_attention
 from slm_kernels.prefix_attention import prefix_suffix_attention
 from slm_kernels.qkv_rope import qkv_rope
+from slm_kernels.row_topk import row_topk
 from slm_kernels.silu_mul import silu_mul
 from slm_kernels.vocab_topk import vocab_topk
 
@@ -240,31 +243,21 @@ def mlp_act(t: int, inner: int) -> dict:
     }
 
 
-def two_stage_topk(x: torch.Tensor, k: int, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact row-wise top-k as the top k of each of `chunks` column chunks, then of those."""
-    rows, v = x.shape
-    vals, ids = x.view(rows, chunks, v // chunks).topk(k, dim=-1)
-    ids = ids + torch.arange(0, v, v // chunks, device=x.device)[:, None]
-    top, at = vals.flatten(1).topk(k, dim=-1)
-    return top, ids.flatten(1).gather(1, at)
-
-
 def topk(rows: int, k: int, vocab: int = 151936) -> dict:
     logits = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16) * 3
     ref = logits.float().topk(k, dim=-1).values
     r = {"torch.topk (one pass)": timed(lambda: logits.topk(k, dim=-1).values, ref)}
-    both = torch.compile(lambda x: (x.topk(k, dim=-1), torch.logsumexp(x.float(), -1)))
-    r["torch.topk + logsumexp (compiled)"] = timed(lambda: both(logits)[0].values, ref)
     unsorted = torch.compile(lambda x: (x.topk(k, dim=-1, sorted=False), torch.logsumexp(x.float(), -1)))
     fn = lambda: unsorted(logits)[0].values  # noqa: E731
-    r["torch.topk unsorted + logsumexp (compiled; the graphs' default)"] = {
+    r["torch.topk unsorted + logsumexp (compiled; the graphs' reference path)"] = {
         "eager_call_ms": median_ms(fn),
         "gpu_ms": graph_ms(fn),
         "rel_err": rel_err(fn().sort(-1, descending=True).values, ref),
     }
-    for group in (16, 32, 64, 128):  # the default is 32
-        name = f"triton vocab_topk (group maxima + logsumexp, top-k of the best groups), group {group}"
-        fused = lambda g=group: vocab_topk(logits, k, group=g)  # noqa: E731
+    for group, by_torch in ((16, False), (32, False), (32, True)):  # the graphs': group 32 through row_topk
+        rows_by = "torch.topk" if by_torch else "row_topk"
+        name = f"triton vocab_topk (group maxima + logsumexp), group {group}, {rows_by}"
+        fused = lambda g=group, t=by_torch: vocab_topk_by(t, logits, k, g)  # noqa: E731
         try:  # a failure is reported, the rest of the bench goes on
             r[name] = {
                 "eager_call_ms": median_ms(fused),
@@ -278,85 +271,42 @@ def topk(rows: int, k: int, vocab: int = 151936) -> dict:
                 "rel_err": float("nan"),
                 "error": f"{type(e).__name__}: {e}"[:300],
             }
-    for chunks in (16, 64, 128):
-        if vocab % chunks == 0 and vocab // chunks >= k:
-            r[f"two stages, {chunks} chunks"] = timed(lambda c=chunks: two_stage_topk(logits, k, c)[0], ref)
-    # The log-probabilities of the top ids, compiled as in the graphs: before and after this change.
-    ids = logits.topk(k, dim=-1).indices
-    want = torch.log_softmax(logits.float(), -1).gather(1, ids)
-    gather = torch.compile(lambda x, i: torch.log_softmax(x.float(), -1).gather(1, i))
-    lse = torch.compile(lambda x, i: x.gather(1, i).float() - torch.logsumexp(x.float(), -1, keepdim=True))
-    r["log-probs of the top ids: log_softmax fp32 + gather (compiled)"] = timed(lambda: gather(logits, ids), want)
-    r["log-probs of the top ids: logits - logsumexp (compiled)"] = timed(lambda: lse(logits, ids), want)
     return {"shape": f"{rows} rows x {vocab}, k={k}", "results": r}
 
 
-def two_level_top(x: torch.Tensor, k: int, chunks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """beam_graph.top (unsorted top k with places) by way of each of `chunks` column chunks' top k:
-    exact, and torch.topk takes a row of fewer columns in one block instead of its multi-block
-    radix select (a [1, 20,000] row, W2's, is just at that threshold)."""
-    rows, m = x.shape
-    part = m // chunks
-    vals, ids = x.view(rows, chunks, part).topk(k, dim=-1, sorted=False)
-    ids = ids + torch.arange(0, m, part, device=x.device)[:, None]
-    values, at = vals.flatten(1).topk(k, dim=-1, sorted=False)
-    idx = ids.flatten(1).gather(1, at)
-    return values, idx, places(values, idx)
+def vocab_topk_by(by_torch: bool, logits: torch.Tensor, k: int, group: int):
+    """vocab_topk with its two row top-k's through row_topk (as the graphs) or through torch.topk."""
+    if not by_torch:
+        return vocab_topk(logits, k, group=group)
+    with mock.patch("slm_kernels.vocab_topk.top_k_rows", lambda x, k: x.topk(k, dim=1, sorted=False)):
+        return vocab_topk(logits, k, group=group)
 
 
-def selection(prompts: int, width: int) -> dict:
-    """A beam step's selection: per prompt the top 2W of its W x 2W continuations (fp32) and their
-    places, compiled as in the graphs."""
-    k = 2 * width
-    x = torch.randn(prompts, width * k, device="cuda") * 3 - 20
+def selections(rows: int, columns: int, k: int) -> dict:
+    """One of a beam step's row top-k's, alone (the places the search derives from them are the same
+    whichever top-k): per prompt its best 2W of W x 2W continuations (fp32), its running beams (W
+    of 2W) or its finished pool's merge (W of 3W), through torch.topk and through row_topk. Eager
+    calls replayed from a CUDA graph: nothing to compile."""
+    x = torch.randn(rows, columns, device="cuda") * 3 - 20
     ref = x.topk(k, dim=1).values
     variants = {
-        "torch.topk sorted (the graphs before)": torch.compile(lambda x: x.topk(k, dim=1)),
-        "beam_graph.top: unsorted + places (the graphs')": torch.compile(lambda x: top(x, k)),
+        "torch.topk sorted": lambda: x.topk(k, dim=1),
+        "torch.topk unsorted (the graphs' before row_topk)": lambda: x.topk(k, dim=1, sorted=False),
     }
-    for chunks in (2, 4, 8):
-        if (width * k) % chunks == 0 and (width * k) // chunks >= k:
-            variants[f"two levels, {chunks} chunks, + places"] = torch.compile(
-                lambda x, c=chunks: two_level_top(x, k, c)
-            )
+    for block in (2048, 8192, 32768):  # 8192: the graphs'
+        variants[f"row_topk, block {block}"] = lambda b=block: row_topk(x, k, block=b)
     r = {}
     for name, fn in variants.items():
-        call = lambda f=fn: f(x)  # noqa: E731
-        r[name] = {
-            "eager_call_ms": median_ms(call),
-            "gpu_ms": graph_ms(call),
-            "rel_err": rel_err(call()[0].sort(-1, descending=True).values, ref),
-        }
-    return {"shape": f"{prompts} prompt(s) x {width * k} continuations, k={k}", "results": r}
+        r[name] = timed(lambda f=fn: f()[0].sort(-1, descending=True).values, ref)
+    return {"shape": f"{rows} row(s) x {columns}, k={k}", "results": r}
 
 
-def counted_top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x.topk(k, dim=1) of a short row, sorted (equal values by index; NaN above all, as there),
-    with no top-k kernel: each value's place is how many values beat it ([B, M, M]), and the first
-    k places are scattered out (a place past k to a spare column)."""
-    rows, m = x.shape
-    idx = torch.arange(m, device=x.device)
-    a, b, nan_a, nan_b = x[:, None, :], x[:, :, None], x.isnan()[:, None, :], x.isnan()[:, :, None]
-    above, tied = (a > b) | (nan_a & ~nan_b), (a == b) | (nan_a & nan_b)
-    place = (above | (tied & (idx[None, None, :] < idx[None, :, None]))).sum(2).clamp_max(k)
-    values = torch.full((rows, k + 1), float("nan"), device=x.device).scatter(1, place, x)[:, :k]
-    ids = torch.zeros(rows, k + 1, dtype=torch.int64, device=x.device).scatter(1, place, idx.expand(rows, m))[:, :k]
-    return values, ids
-
-
-def small_selection(prompts: int, width: int, columns: int) -> dict:
-    """A short sorted top-k of a beam step's size: the finished pool's merge (W of 3W per prompt,
-    torch.topk sorted in the graphs) or the running beams' (W of 2W; the graphs take beam_graph.top),
-    torch.topk against counting places."""
-    x = torch.randn(prompts, columns, device="cuda") * 3 - 20
-    ref = x.topk(width, dim=1).values
-    r = {}
-    for name, fn in {
-        "torch.topk sorted": torch.compile(lambda x: x.topk(width, dim=1)),
-        "counted places, scattered": torch.compile(lambda x: counted_top(x, width)),
-    }.items():
-        r[name] = timed(lambda f=fn: f(x)[0], ref)
-    return {"shape": f"{prompts} prompt(s) x {columns}, k={width}", "results": r}
+# a beam step's row top-k's: (columns per prompt, k) at width W
+SELECTIONS = {
+    "continuations": lambda w: (2 * w * w, 2 * w),
+    "running beams": lambda w: (2 * w, w),
+    "pool merge": lambda w: (3 * w, w),
+}
 
 
 def cases() -> dict:
@@ -378,12 +328,8 @@ def cases() -> dict:
         "W2 decode SiLU * up, 4 prompts": lambda: mlp_act(400, 4864),
         **{f"beam top-k, {rows} beams": lambda rows=rows: topk(rows, 200) for rows in (100, 400, 800)},
         **{
-            f"beam selection, W={w}, {b} prompt(s)": lambda w=w, b=b: selection(b, w)
-            for w, b in ((100, 1), (100, 4), (100, 8), (400, 1))
-        },
-        **{
-            f"beam {what}, W={w}, {b} prompt(s)": lambda w=w, b=b, n=n: small_selection(b, w, n * w)
-            for what, n in (("running beams", 2), ("pool merge", 3))
+            f"beam {what}, W={w}, {b} prompt(s)": lambda w=w, b=b, size=size: selections(b, *size(w))
+            for what, size in SELECTIONS.items()
             for w, b in ((100, 1), (100, 8), (400, 1))
         },
     }
@@ -395,17 +341,19 @@ def main() -> None:
     p.add_argument("--only", default="", help="run only the cases whose name holds this text")
     args = p.parse_args()
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    results.update({name: case() for name, case in cases().items() if args.only in name})
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
-    for name, res in results.items():
-        if isinstance(res, dict):
-            print(f"\n{name}: {res['shape']}")
-            for k, v in res["results"].items():
-                print(
-                    f"  {k:52s} GPU {v['gpu_ms']:7.3f} ms  eager call {v['eager_call_ms']:7.3f} ms  "
-                    f"rel err {v['rel_err']:.2e}"
-                )
+    for name, case in cases().items():  # each case printed and saved as it ends: a cut-off run keeps them
+        if args.only not in name:
+            continue
+        res = results[name] = case()
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+        print(f"\n{name}: {res['shape']}")
+        for k, v in res["results"].items():
+            print(
+                f"  {k:52s} GPU {v['gpu_ms']:7.3f} ms  eager call {v['eager_call_ms']:7.3f} ms  "
+                f"rel err {v['rel_err']:.2e}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

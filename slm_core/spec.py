@@ -159,7 +159,7 @@ class TaskSpec:
     # Special tokens spelled in a request's text are tokenized as plain text unless this is true
     # (slm_core.tokenizer): only the template's own are matched.
     allow_special_tokens: bool = False
-    # beam tasks: generative retrieval over a catalog (slm_core.catalog), a JSONL file relative to
+    # beam tasks: generative retrieval over a catalog (slm_core.item_trie), a JSONL file relative to
     # the task YAML; its bounds (a catalog swapped in later must fit them); the most item ids a
     # request may exclude; what a candidate's score normalises over: "vocab", the whole
     # vocabulary (transformers'), or "catalog", only the tokens the catalog uses (the LM head then

@@ -156,7 +156,7 @@ def write_mlp(
 
 # --- catalog-constrained beams (generative retrieval) ---------------------------------------------
 class ItemTrie:
-    """A reference trie of item token lists, built here without slm_core.catalog: what
+    """A reference trie of item token lists, built here without slm_core.item_trie: what
     transformers' prefix_allowed_tokens_fn allows after a generated prefix."""
 
     def __init__(self, items: list[list[int]], stop_ids: list[int], new_tokens: int):

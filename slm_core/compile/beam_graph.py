@@ -34,10 +34,18 @@ class BeamGraph(nn.Module):
     lm_head: ClassVar[bool] = True
 
     def __init__(
-        self, model: Transformer, beam_width: int, new_tokens: int, stop_ids: list[int], pad_id: int, topk=None
+        self,
+        model: Transformer,
+        beam_width: int,
+        new_tokens: int,
+        stop_ids: list[int],
+        pad_id: int,
+        topk=None,
+        row_topk=None,
     ):
         super().__init__()
         self.topk = topk  # slm_kernels.vocab_topk.vocab_topk, or None for torch.topk + torch.logsumexp
+        self.row_topk = row_topk  # slm_kernels.row_topk.row_topk, or None for torch.topk
         if 2 * beam_width > model.spec.vocab_size:
             raise SpecError(f"beam_width={beam_width} needs 2 * beam_width <= vocab size {model.spec.vocab_size}")
         self.model = model
@@ -52,13 +60,13 @@ class BeamGraph(nn.Module):
 
     @classmethod
     def build(cls, task, model: Transformer, ckpt: Checkpoint, runtime: RuntimeSpec) -> "BeamGraph":
-        topk = None
+        topk = row_topk = None
         if runtime.kernels == "triton":
+            from slm_kernels.row_topk import row_topk
             from slm_kernels.vocab_topk import vocab_topk as topk
         stop = task.stop_ids
-        return cls(
-            model, task.width, task.new_tokens, stop, pad_id=stop[0] if stop else 0, topk=topk, **cls.options(task)
-        )
+        pad_id = stop[0] if stop else 0
+        return cls(model, task.width, task.new_tokens, stop, pad_id, topk=topk, row_topk=row_topk, **cls.options(task))
 
     @classmethod
     def options(cls, task) -> dict:
@@ -103,7 +111,7 @@ class BeamGraph(nn.Module):
             top_logits, top_ids = logits.topk(k, dim=-1, sorted=False)  # the next topk orders them
             lse = torch.logsumexp(logits.float(), dim=-1, keepdim=True)
         log_probs = top_logits.float() - lse
-        scores, flat, place = top((log_probs.view(b, beams, k) + cum[:, :, None]).flatten(1), k)
+        scores, flat, place = top((log_probs.view(b, beams, k) + cum[:, :, None]).flatten(1), k, self.row_topk)
         token = top_ids.view(b, beams * k).gather(1, flat)
         return scores, place, flat // k, token, torch.isin(token, self.stop_ids), (), None
 
@@ -198,7 +206,8 @@ class BeamGraph(nn.Module):
         full = (pool.done | (slot >= width)).all(1, keepdim=True)
         entering = chosen.scores + (~finishing).float() * NEG + full.float() * NEG
         merged = torch.cat([pool.scores, entering], dim=1)  # [B, 3W]
-        keep = merged.topk(self.width, dim=1).indices
+        _, best, place = top(merged, self.width, self.row_topk)
+        keep = best.scatter(1, place, best)  # best first (equal scores: the pool's first); places are a permutation
         padded = F.pad(chosen.candidates, (0, self.new_tokens - step), value=self.pad_id)
         lengths = torch.full_like(chosen.candidates[:, :, -1], step)
         items = pool.items if chosen.item is None else take(torch.cat([pool.items, chosen.item], dim=1), keep)
@@ -214,7 +223,7 @@ class BeamGraph(nn.Module):
         """The running beams of the next step: each prompt's best w continuations that did not
         end, their tokens, search state and suffix K/V reordered to them (the prompt's K/V never
         moves)."""
-        cum, keep, place = top(chosen.scores + chosen.ends.float() * NEG, self.width)
+        cum, keep, place = top(chosen.scores + chosen.ends.float() * NEG, self.width, self.row_topk)
         suffix = beams.suffix
         if suffix is not None:
             b = cum.shape[0]
@@ -273,12 +282,12 @@ class Pool(NamedTuple):
     items: torch.Tensor
 
 
-def top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x.topk(k, dim=1) of a [B, M] tensor in any order, and each one's place among them (0: the
-    best; equal values by index). The search needs only places: torch.topk(sorted=True) orders its
-    k with a one-block radix sort, slow at k = 2W, where comparing the k with each other is one
-    small [B, k, k] reduction."""
-    values, idx = x.topk(k, dim=1, sorted=False)
+def top(x: torch.Tensor, k: int, row_topk=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x.topk(k, dim=1) of a [B, M] tensor in any order (through row_topk where given), and each
+    one's place among them (0: the best; equal values by index). The search needs only places:
+    torch.topk(sorted=True) orders its k with a one-block radix sort, slow at k = 2W, where
+    comparing the k with each other is one small [B, k, k] reduction."""
+    values, idx = x.topk(k, dim=1, sorted=False) if row_topk is None else row_topk(x, k)
     return values, idx, places(values, idx)
 
 

@@ -1,4 +1,4 @@
-"""The beam search graph constrained to a catalog's trie (slm_core.catalog), which it takes as
+"""The beam search graph constrained to a catalog's trie (slm_core.item_trie), which it takes as
 inputs: a new catalog within the task's bounds needs no recompile.
 
 Each running beam carries its trie node and whether it has ended (its last token a stop). A step
@@ -103,7 +103,7 @@ class CatalogGraph(BeamGraph):
         total = (columns.view(b, beams, f + s) + cum[:, :, None]).flatten(1)
         # 2W columns of -inf behind, so that a prompt has 2W candidates however few its beams have
         total = torch.cat([total, torch.full((b, 2 * self.width), -INF, device=total.device)], dim=1)
-        scores, flat, place = top(total, 2 * self.width)
+        scores, flat, place = top(total, 2 * self.width, self.row_topk)
         flat = torch.where(flat < beams * (f + s), flat, 0)
 
         def pick(per_column: torch.Tensor) -> torch.Tensor:  # [R, F+S] -> each candidate's [B, 2W]

@@ -1,4 +1,4 @@
-"""Generative retrieval: beam search constrained to a catalog of items (slm_core.catalog). Each step
+"""Generative retrieval: beam search constrained to a catalog of items (slm_core.item_trie). Each step
 allows a beam only the continuations of its trie node (and a stop token where an item ends), so
 every candidate completes an item and is answered with the item's id. As transformers'
 generate(..., prefix_allowed_tokens_fn=<the same trie>) ranks them; fewer than W candidates where
@@ -19,8 +19,8 @@ import torch
 from tokenizers import Tokenizer
 
 from slm_core import flops
-from slm_core.catalog import CATALOG, Catalog
 from slm_core.errors import InputError, SpecError, json_type
+from slm_core.item_trie import CATALOG, ItemTrie
 from slm_core.spec import ModelSpec, TaskSpec
 from slm_core.tasks.base import Difference, Tensor
 from slm_core.tasks.beam import BeamRequest, BeamTask
@@ -42,9 +42,9 @@ class CatalogTask(BeamTask):
         super().__init__(spec, tokenizer)
         path = Path(spec.catalog)
         if path.suffix == ".safetensors":  # a package's, built already
-            self.catalog = Catalog.load(path)
+            self.catalog = ItemTrie.load(path)
         else:
-            self.catalog = Catalog.from_jsonl(
+            self.catalog = ItemTrie.from_jsonl(
                 path,
                 self.tokenizer.tokenizer,
                 self.stop_ids,
@@ -102,7 +102,7 @@ class CatalogTask(BeamTask):
         return 2 + 2 * self.new_tokens * self.spec.max_exclude
 
     def options(self, value: Any) -> list[int]:
-        """Beam width, new tokens, then the exclusion as slm_core.catalog.Catalog.exclusion gives it."""
+        """Beam width, new tokens, then the exclusion as slm_core.item_trie.ItemTrie.exclusion gives it."""
         value = self.value(value)
         row = super().options(value)
         killed, stopped = self.catalog.exclusion(list(value.excluded), row[1], self.spec.max_exclude)

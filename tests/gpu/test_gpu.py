@@ -351,16 +351,42 @@ def test_vocab_topk_bf16_full_size(rows):
     assert torch.equal(again[0], values) and torch.equal(again[1], ids)
 
 
+@pytest.mark.parametrize(
+    "rows, n, k",
+    [
+        (100, 4748, 200),  # W2's beams: their best groups of 32 logits ...
+        (800, 6400, 200),  # ... and the best of those groups' logits, 8 prompts
+        (1, 20000, 200),  # one W2 prompt's continuations (W x 2W)
+        (8, 20000, 200),
+        (1, 320000, 800),  # W = 400: three levels
+        (8, 300, 100),  # the finished pool's merge (W of 3W)
+    ],
+)
+def test_row_topk_full_size(rows, n, k):
+    """The beam step's selections at full size: the same values as torch.topk, the columns that hold
+    them in column order, the same answer twice; bf16 logits and fp32 scores."""
+    from slm_kernels.row_topk import row_topk
+
+    torch.manual_seed(n)
+    for x in (torch.randn(rows, n, device="cuda") * 3 - 20, (torch.randn(rows, n, device="cuda") * 3).bfloat16()):
+        values, ids = row_topk(x, k)
+        assert torch.equal(values.sort(-1, descending=True).values, x.topk(k).values)
+        assert torch.equal(x.gather(1, ids), values)
+        assert (ids.diff(dim=-1) > 0).all()
+        again = row_topk(x, k)
+        assert torch.equal(again[0], values) and torch.equal(again[1], ids)
+
+
 def test_vocab_topk_beam_graph_bf16_on_cuda(random_checkpoint):
-    """The beam graph with the Triton vocabulary top-k (the CUDA default) answers as with
-    torch.topk (bf16: near-ties may swap), and it exports."""
+    """The beam graph with the Triton top-k's (the CUDA default) answers as with torch.topk (bf16:
+    near-ties may swap), and it exports."""
     ckpt = load_checkpoint(random_checkpoint("qwen2")[0])
     beam = dict(task="beam", beam_width=16, new_tokens=5, precision="bf16")
     tri = engine_for(ckpt, "cuda", **beam)
     y = tri.beam("a small language model")
-    assert tri.graph.topk is not None
+    assert tri.graph.topk is not None and tri.graph.row_topk is not None
     plain = engine_for(ckpt, "cuda", **beam)
-    plain.graph.topk = None  # torch.topk + torch.logsumexp, the Triton kernels otherwise
+    plain.graph.topk = plain.graph.row_topk = None  # torch.topk + torch.logsumexp, the Triton kernels otherwise
     x = plain.beam("a small language model")
     assert len({tuple(c["token_ids"]) for c in x} & {tuple(c["token_ids"]) for c in y}) >= 14
     assert x[0]["score"] == pytest.approx(y[0]["score"], abs=1e-3)

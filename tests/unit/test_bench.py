@@ -10,7 +10,6 @@ import statistics
 import sys
 
 import pytest
-import torch
 
 from bench import flops
 from bench.report import label
@@ -393,31 +392,3 @@ def test_profile_splits_a_request_of_each_task(archives, smollm2, tmp_path, monk
     assert parts["graph_ms (copy-in + graph + copy-out)"] > 0 and "Self CPU" in table
     at_bounds = parts["calls_at_the_bounds_ms (per requests in the call)"]  # beside the build's own timing
     assert at_bounds.keys() == parts["build_call_ms (the manifest's)"].keys() and min(at_bounds.values()) > 0
-
-
-def test_the_kernel_bench_selections_equal_the_graphs():
-    """bench.kernels_bench's alternatives for a beam step's selection give the graphs' answer: the
-    two-level top-k beam_graph.top's values, ids and places (with ties, the same values in the same
-    places); the counted top-k torch's sorted top-k, equal values by index (NaN first, as there)."""
-    from bench.kernels_bench import counted_top, two_level_top
-    from slm_core.compile.beam_graph import top
-
-    g = torch.Generator().manual_seed(0)
-    for rows, width, chunks in [(1, 10, 2), (3, 10, 4), (2, 40, 8)]:
-        k = 2 * width
-        x = torch.randn(rows, width * k, generator=g)
-        x[0, :7] = float("-inf")
-        (a, ia, pa), (b, ib, pb) = two_level_top(x, k, chunks), top(x, k)  # each in any order: by place
-        assert torch.equal(torch.empty_like(ia).scatter_(1, pa, ia), torch.empty_like(ib).scatter_(1, pb, ib))
-        x = torch.randint(-6, 6, (rows, width * k), generator=g).float()  # ties: either tied value may be taken
-        (a, ia, pa), (b, ib, pb) = two_level_top(x, k, chunks), top(x, k)
-        assert torch.equal(x.gather(1, ia), a) and torch.equal(pa.sort(1).values, torch.arange(k).expand(rows, k))
-        assert torch.equal(torch.empty_like(a).scatter_(1, pa, a), torch.empty_like(b).scatter_(1, pb, b))
-    for rows, columns, k in [(1, 20, 10), (4, 30, 10), (2, 120, 40)]:
-        x = torch.randint(-4, 4, (rows, columns), generator=g).float()
-        x[0, 1] = float("-inf")
-        values, ids = counted_top(x, k)
-        order = torch.sort(-x, dim=1, stable=True).indices[:, :k]
-        assert torch.equal(ids, order) and torch.equal(values, x.gather(1, order))
-    values, ids = counted_top(torch.tensor([[1.0, float("nan"), 2.0, 0.5]]), 2)
-    assert values[0, 0].isnan() and values[0, 1] == 2.0 and ids.tolist() == [[1, 2]]

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from helpers import assert_same_beams, engine_for, hf_beam, hf_catalog_beam, text_ids, write_catalog
 
-from slm_core.catalog import Catalog
 from slm_core.compile.checkpoint import load_checkpoint
 from slm_core.errors import InputError, SpecError
+from slm_core.item_trie import ItemTrie
 
 CITIES = [
     "Paris",
@@ -37,7 +37,7 @@ CITIES = [
 CHAT = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
 
 
-def _ref_catalog(cat: Catalog, items: list[tuple[int, ...]], n_tokens: int) -> None:
+def _ref_catalog(cat: ItemTrie, items: list[tuple[int, ...]], n_tokens: int) -> None:
     """Every node of the flattened trie against a brute-force walk of the items."""
     vocab = cat.vocab
 
@@ -65,7 +65,7 @@ def test_trie_and_exclusion_equal_brute_force():
     for _ in range(150):
         n = rng.randint(1, 4)
         items = list({tuple(rng.randint(1, 6) for _ in range(rng.randint(1, n))) for _ in range(rng.randint(1, 30))})
-        cat = Catalog.build(
+        cat = ItemTrie.build(
             [f"i{j}" for j in range(len(items))], [list(i) for i in items], list(range(len(items))), [0], n, 10**6
         )
         _ref_catalog(cat, items, n)
@@ -85,9 +85,9 @@ def test_trie_and_exclusion_equal_brute_force():
 
 
 def test_catalog_file_round_trip_and_lookup(tmp_path):
-    cat = Catalog.build(["b", "a", "c"], [[3, 4], [3], [5, 6]], [1, 2, 3], [0], 2, 100)
+    cat = ItemTrie.build(["b", "a", "c"], [[3, 4], [3], [5, 6]], [1, 2, 3], [0], 2, 100)
     cat.save(tmp_path / "c.safetensors")
-    again = Catalog.load(tmp_path / "c.safetensors")
+    again = ItemTrie.load(tmp_path / "c.safetensors")
     assert [again.item_id(i) for i in range(3)] == ["a", "b", "c"]  # the trie's order: [3] < [3, 4] < [5, 6]
     assert again.lookup(["c", "zz", "a", "c"]) == ([0, 2], 1)
     for x, y in zip(cat.graph_arrays(), again.graph_arrays()):

@@ -13,7 +13,7 @@ COMPILE_TIME = [*(CORE / "compile").glob("*.py"), CORE / "api.py"]
 # What a worker runs: every other module of slm_core (serve/, tasks/, the shared ones), and the handler.
 SERVE_TIME = sorted({*CORE.rglob("*.py")} - set(COMPILE_TIME)) + [REPO / "handlers" / "slm_handler.py"]
 # What a worker never imports: a package holds its weights in the graph, and a catalog's arrays in
-# safetensors' numpy format (slm_core.catalog), not as torch checkpoints.
+# safetensors' numpy format (slm_core.item_trie), not as torch checkpoints.
 BUILD_TIME = ("slm_core.compile", "slm_core.api", "slm_kernels", "transformers", "gguf", "safetensors.torch")
 KINDS = {"score", "beam", "labels", "classifier", "embedding", "mlp"}  # the task YAML's `task` and `head` values
 
@@ -50,7 +50,7 @@ def test_the_halves_cover_the_engine():
     """Every module of slm_core is in one half: a new folder or module is sorted by where it lies."""
     assert (
         len(SERVE_TIME) > 20
-        and (CORE / "catalog.py") in SERVE_TIME
+        and (CORE / "item_trie.py") in SERVE_TIME
         and (CORE / "compile" / "model.py") not in SERVE_TIME
     )
     assert {p.relative_to(CORE).parts[0] for p in CORE.rglob("*.py") if len(p.relative_to(CORE).parts) > 1} == {

@@ -83,3 +83,12 @@ def test_vocab_topk_compiles_for_hopper():
 
     stats = {"bmax_ptr": "*fp32", "bsum_ptr": "*fp32"}
     assert compile_for_hopper(_group_max_pass, dict(GROUP=32, GROUPS=64), stats)["cubin"]  # the graphs' group
+
+
+@pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])  # each beam's groups and logits; a prompt's continuations
+def test_row_topk_compiles_for_hopper(dtype):
+    from slm_kernels.row_topk import _row_topk_kernel
+
+    for has_ids in (False, True):  # a row's first level, and the next ones over a level's candidates
+        pointers = {"x_ptr": dtype, "values_ptr": dtype, "ids_ptr": "*i64", "out_ids_ptr": "*i64"}
+        assert compile_for_hopper(_row_topk_kernel, dict(HAS_IDS=has_ids, BLOCK=8192), pointers)["cubin"]

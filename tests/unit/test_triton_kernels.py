@@ -214,6 +214,59 @@ def test_vocab_topk_matches_torch_in_interpreter():
         assert r["values_equal"] and r["ids_hold_values"] and r["lse_err"] < 1e-5, r
 
 
+ROW_TOPK_CHECK = r"""
+import json, sys, torch
+from slm_kernels.row_topk import row_topk
+out = []
+for rows, n, k, kind, block in json.loads(sys.argv[1]):
+    torch.manual_seed(n + k)
+    x = torch.randn(rows, n) * 3 - 20 if kind != "ties" else torch.randint(-4, 4, (rows, n)).float() / 2
+    if kind == "bf16":
+        x = x.bfloat16()
+    if kind == "masked":  # beams past a prompt's width hold -inf, some rows have fewer than k finite
+        x[:, ::3] = float("-inf")
+        x[-1, 1:] = float("-inf")
+    if kind == "special":  # NaN ranks above +inf (torch.topk's order), -0.0 beside +0.0
+        x[:, 5], x[:, 9], x[:, 11], x[:, 12] = float("nan"), float("inf"), -0.0, 0.0
+    values, ids = row_topk(x, k, block=block)
+    want = torch.topk(x.float(), k).values
+    key = lambda t: t.float().nan_to_num(nan=float("inf")).sort(-1, descending=True).values
+    # among equal values at the k-th place, the lowest columns (torch.topk takes any of them)
+    ties_lowest = True
+    for r in range(rows):
+        kth = want[r, -1]
+        equal = (x[r].float() == kth).nonzero().flatten().tolist()
+        taken = [i for i in ids[r].tolist() if x[r, i].float() == kth]
+        ties_lowest &= bool(kth.isnan()) or taken == equal[: len(taken)]
+    out.append({
+        "values_equal": torch.equal(key(values), key(want)),
+        "ids_hold_values": torch.equal(x.gather(1, ids).nan_to_num(nan=7.0), values.nan_to_num(nan=7.0)),
+        "column_order": bool((ids.diff(dim=1) > 0).all()),
+        "ties_lowest": ties_lowest,
+    })
+print(json.dumps(out))
+"""
+
+
+def test_row_topk_matches_torch_in_interpreter():
+    """Exact top-k per row (values as torch.topk's, the columns that hold them, in column order, the
+    lowest of equal values at the k-th place): one chunk, rows cut into chunks over two and three
+    levels, k = 1 and k = N, few distinct values, bf16, -inf rows, NaN and signed zeros."""
+    cases = [
+        (3, 300, 100, "normal", 8192),  # the running beams' (W of 2W) and pool's shapes, one chunk
+        (2, 5000, 64, "normal", 1024),  # five chunks, then one
+        (1, 20000, 200, "normal", 512),  # 40 chunks, then 8, then 2, then 1 (W2's continuations, small blocks)
+        (4, 37, 37, "normal", 8192),  # k = N, a row shorter than its block
+        (2, 1000, 1, "ties", 256),
+        (3, 700, 50, "ties", 128),  # ties across chunks and at the k-th place
+        (2, 500, 200, "masked", 128),
+        (4, 3000, 200, "bf16", 512),
+        (2, 40, 10, "special", 16),
+    ]
+    for case, r in zip(cases, run_check(ROW_TOPK_CHECK, cases)):
+        assert all(r.values()), (case, r)
+
+
 def test_wrappers_refuse_bad_shapes():
     import torch
 
@@ -230,6 +283,13 @@ def test_wrappers_refuse_bad_shapes():
     for k in (0, 11):
         with pytest.raises(ValueError, match="unsupported k"):
             vocab_topk(torch.randn(2, 10), k)
+    from slm_kernels.row_topk import row_topk
+
+    for k in (0, 11):
+        with pytest.raises(ValueError, match="unsupported k"):
+            row_topk(torch.randn(2, 10), k)
+    with pytest.raises(ValueError, match="not a power of two"):
+        row_topk(torch.randn(2, 10), 3, block=100)
     from slm_kernels.prefix_attention import prefix_suffix_attention
 
     with pytest.raises(ValueError, match="unsupported shapes"):

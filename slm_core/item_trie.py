@@ -1,8 +1,8 @@
-"""A catalog of items for generative retrieval: each item an id and the token ids the model writes
+"""A catalog's items as a trie, for generative retrieval: each item an id and the token ids the model writes
 for it (a semantic ID, a title), as a prefix trie flattened into fixed-layout arrays.
 
-    catalog = Catalog.from_jsonl(path, tokenizer, stop_ids, max_tokens, vocab_size, max_items, max_nodes)
-    catalog.save(dir / CATALOG); Catalog.load(dir / CATALOG)   # what an archive holds and a worker reads
+    catalog = ItemTrie.from_jsonl(path, tokenizer, stop_ids, max_tokens, vocab_size, max_items, max_nodes)
+    catalog.save(dir / CATALOG); ItemTrie.load(dir / CATALOG)   # what an archive holds and a worker reads
 
 The trie is stored level by level: level d holds the edges from the nodes at depth d to those at
 depth d+1, and the node an edge leads to is numbered by the edge (the root is node 0 of depth 0).
@@ -46,7 +46,7 @@ class Level:
         return max(2, int(np.diff(self.first).max(initial=0)))
 
 
-class Catalog:
+class ItemTrie:
     def __init__(
         self,
         ids: np.ndarray,
@@ -106,7 +106,7 @@ class Catalog:
         vocab_size: int,
         max_items: int,
         max_nodes: int,
-    ) -> "Catalog":
+    ) -> "ItemTrie":
         """A JSONL catalog, one item a line: {"id": ..., "tokens": [...]} or {"id": ..., "text": ...}
         (text tokenized without special tokens). SpecError naming the line for what it cannot hold."""
         ids, rows, lines, texts = [], [], [], {}
@@ -191,7 +191,7 @@ class Catalog:
         max_tokens: int,
         max_nodes: int,
         where: str = "catalog",
-    ) -> "Catalog":
+    ) -> "ItemTrie":
         seen: dict[str, int] = {}
         for item_id, line in zip(ids, lines):
             if item_id in seen:
@@ -263,7 +263,7 @@ class Catalog:
         save_file(arrays, str(path))
 
     @classmethod
-    def load(cls, path: "str | Path") -> "Catalog":
+    def load(cls, path: "str | Path") -> "ItemTrie":
         from safetensors.numpy import load_file
 
         a = load_file(str(path))
