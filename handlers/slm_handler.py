@@ -144,7 +144,9 @@ class SlmHandler:
         model_dir = ctx.system_properties["model_dir"]
         self.engine = load_package(model_dir, ctx.system_properties.get("gpu_id"), serving.cuda_graphs)
         package = manifest.read(model_dir)
-        self.deadlines = Deadlines(serving.deadline_ms, package.get("call_ms") or {})
+        self.deadlines = Deadlines(
+            serving.deadline_ms, package.get("call_ms") or {}, tuple(map(tuple, package.get("call_ms_by_size") or ()))
+        )
         self.description = description(package, serving, metadata(self.engine.task))
         # the name and version a KServe v2 answer names: as TorchServe registered this worker's model
         self.model = (

@@ -110,3 +110,23 @@ def time_calls(engine: Runtime, repeat: int = 5) -> dict[str, float]:
 
     batches = sorted({1 << i for i in range(task.max_batch.bit_length())} | {task.max_batch})
     return {str(b): fastest(b) for b in batches}
+
+
+LENGTH_SHARES = (8, 4, 2, 1)  # the sequence lengths timed: the token bound over each
+
+
+def time_sizes(engine: Runtime, repeat: int = 2) -> list[list]:
+    """Milliseconds of a call by its size, for deadline admission by what a call holds
+    (slm_core.serve.deadline): [sequences, tokens per sequence, ms] for 1, 2, 4 ... sequences up
+    to a full call's and sequences of 1/8, 1/4, 1/2 and all of the token bound. Each point
+    over-states any call it covers (no more sequences, none longer) by at most 2x in either. The
+    fastest of `repeat` after one warm-up, as time_calls."""
+    task = engine.task
+    full = task.call_texts
+    counts = sorted({1 << i for i in range(full.bit_length())} | {full})
+    lengths = sorted({max(1, -(-task.sequence_tokens // share)) for share in LENGTH_SHARES})
+    return [
+        [n, length, min([engine.synthetic_call(n, n * length) for _ in range(repeat + 1)][1:])]
+        for n in counts
+        for length in lengths
+    ]

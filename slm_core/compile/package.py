@@ -15,7 +15,7 @@ import torch
 
 from slm_core import manifest as package
 from slm_core.compile.checkpoint import Checkpoint
-from slm_core.compile.checks import GateThresholds, check_compiled, fp8_gate, time_calls
+from slm_core.compile.checks import GateThresholds, check_compiled, fp8_gate, time_calls, time_sizes
 from slm_core.compile.eager import build_graph, prepare
 from slm_core.compile.export import compile_package, export_graph
 from slm_core.errors import SpecError
@@ -89,6 +89,7 @@ def build_package(
         progress(f"accuracy gate passed: {fp8}")
     call_ms = step("timing calls at the token bounds (1, 2, 4 ... max_batch requests)", lambda: time_calls(compiled))
     progress("calls at the token bounds: " + ", ".join(f"{b} request(s) {ms:.1f} ms" for b, ms in call_ms.items()))
+    sizes = step("timing calls by their size (sequences x tokens, for deadlines)", lambda: time_sizes(compiled))
     task.tokenizer.tokenizer.save(str(out_dir / package.TOKENIZER))
     manifest = {
         "format": package.FORMAT,
@@ -102,6 +103,7 @@ def build_package(
         "check": check,
         "fp8_gate": fp8,
         "call_ms": call_ms,
+        "call_ms_by_size": sizes,
         "built": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     (out_dir / package.MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")

@@ -6,13 +6,18 @@ archive's (the deadline its queue was sized for; none on a CPU build unless one 
 arrival is the X-Request-Start header a proxy in front stamps (nginx: `proxy_set_header
 X-Request-Start "t=${msec}"`; seconds, milliseconds or microseconds since the epoch, told apart by
 magnitude), which counts TorchServe's queue too; without one, the moment the worker took it. A
-request is refused when the time it has waited plus the call it would join (the build's timing of
-a call of that many requests at the token bounds) passes its deadline.
+request is refused when the time it has waited plus the call it would join passes its deadline.
+
+The call is estimated from what it holds, once its requests are tokenized: the build times calls
+by size (slm_core.compile.checks.time_sizes), and the smallest timed call with at least as many
+sequences, none shorter than the call's longest, bounds it from above (a call's time grows with
+its sequences and their length). An archive without those timings counts the call at the token
+bounds (its number of requests, each at its sequence and token bounds).
 """
 
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from slm_core.errors import InputError, bounded
@@ -29,10 +34,17 @@ class Deadlines:
     default_ms: float | None  # the archive's deadline, or None: only requests that carry one have one
     # the build's calls at the token bounds, as the manifest holds them: {"1": ms, "2": ms, ...}
     call_ms: Mapping[str, float] = field(default_factory=dict)
+    # the build's calls by size, as the manifest holds them: [sequences, tokens per sequence, ms]
+    sizes: Sequence[Sequence[float]] = ()
 
-    def call(self, requests: int) -> float:
-        """The milliseconds a call of `requests` requests takes at most (slm_core.serving.call_time;
-        0 for a build without timings)."""
+    def call(self, requests: int, sequences: int | None = None, longest: int | None = None) -> float:
+        """The milliseconds a call of `requests` requests takes at most: of `sequences` sequences,
+        the longest of `longest` tokens, where the build timed calls by size and these are given;
+        else at the token bounds (slm_core.serving.call_time); 0 for a build without timings."""
+        if self.sizes and sequences is not None and longest is not None:
+            covering = [ms for n, length, ms in self.sizes if n >= sequences and length >= longest]
+            if covering:
+                return min(covering)
         return call_time(self.call_ms, requests) if self.call_ms else 0.0
 
     def budget(self, headers) -> float | None:
@@ -52,18 +64,21 @@ class Deadlines:
             )
         return value
 
-    def refusal(self, headers, received: float, requests: int) -> InputError | None:
-        """The 504 for a request that cannot be answered within its deadline in a call of
-        `requests` requests, or None. received: time.monotonic() when the worker took it."""
+    def refusal(
+        self, headers, received: float, requests: int, sequences: int | None = None, longest: int | None = None
+    ) -> InputError | None:
+        """The 504 for a request that cannot be answered within its deadline in its call (`call`'s
+        arguments), or None. received: time.monotonic() when the worker took it."""
         budget = self.budget(headers)
         if budget is None:
             return None
         waited = waited_ms(headers, received)
-        call = self.call(requests)
+        call = self.call(requests, sequences, longest)
         if waited + call <= budget:
             return None
+        size = f" ({sequences} sequence(s), the longest {longest} tokens)" if sequences is not None else ""
         return InputError(
-            f"deadline of {budget:g} ms: waited {waited:.1f} ms and a call of {requests} request(s) takes "
+            f"deadline of {budget:g} ms: waited {waited:.1f} ms and a call of {requests} request(s){size} takes "
             f"up to {call:.1f} ms, so it is not computed",
             bound="deadline_ms",
             status=STATUS,

@@ -131,17 +131,37 @@ def respond_batch(
         calls[-1].append(i)
         sizes[-1] += len(d.values)
     for call, size in zip(calls, sizes):
-        if deadlines is not None:
-            call = [i for i in call if not _late(deadlines, requests[i], size, replies, i)]
-        if call:
-            _call(engine, decoded, call, replies)
+        if not call:  # every request of the batch refused
+            continue
+        encoded = _encode(engine, decoded, call, replies)
+        members = list(encoded)
+        if deadlines is not None:  # the call's size as it will run, its tokens known
+            held = [seqs for i in members for seqs in encoded[i] if not isinstance(seqs, InputError)]
+            shape = (size, sum(map(len, held)), max((len(seq) for seqs in held for seq in seqs), default=0))
+            members = [i for i in members if not _late(deadlines, requests[i], shape, replies, i)]
+        if members:
+            _call(engine, decoded, members, replies, encoded)
     return replies
 
 
-def _late(deadlines: Deadlines, request: Request, requests: int, replies: list, i: int) -> bool:
-    """Whether request i is refused for its deadline (or a bad deadline header); its reply is set."""
+def _encode(engine: Runtime, decoded: dict[int, Decoded], call: list[int], replies: list) -> dict[int, list]:
+    """The call's request values tokenized in one pass (Task.encode), per request: each value's
+    sequences or its InputError. A failure of the tokenizer itself is a 500 for the call."""
     try:
-        refusal = deadlines.refusal(request.headers, request.received, requests)
+        encoded = iter(engine.task.encode([v for i in call for v in decoded[i].values]))
+    except Exception:
+        log.exception("tokenizing a call failed")
+        for i in call:
+            replies[i] = error(500, "internal error while running the request")
+        return {}
+    return {i: [next(encoded) for _ in decoded[i].values] for i in call}
+
+
+def _late(deadlines: Deadlines, request: Request, size: tuple, replies: list, i: int) -> bool:
+    """Whether request i is refused for its deadline (or a bad deadline header) in a call of `size`
+    (requests, sequences, the longest's tokens); its reply is set."""
+    try:
+        refusal = deadlines.refusal(request.headers, request.received, *size)
     except InputError as e:
         refusal = e
     if refusal is not None:
@@ -149,10 +169,15 @@ def _late(deadlines: Deadlines, request: Request, requests: int, replies: list, 
     return refusal is not None
 
 
-def _call(engine: Runtime, decoded: dict[int, Decoded], members: list[int], replies: list) -> None:
-    """One graph call for the values of requests `members`; their replies go to replies[members]."""
+def _call(
+    engine: Runtime, decoded: dict[int, Decoded], members: list[int], replies: list, encoded: dict[int, list]
+) -> None:
+    """One graph call for the values of requests `members` (tokenized: `encoded`); their replies go
+    to replies[members]."""
     try:
-        results = iter(engine.run([v for i in members for v in decoded[i].values]))
+        results = iter(
+            engine.run([v for i in members for v in decoded[i].values], [e for i in members for e in encoded[i]])
+        )
     except Exception as e:  # a bug or a device fault: these requests fail, the worker lives on
         if not engine.usable():  # unless the device is gone for this process
             raise DeviceLost(f"{engine.device} fails every call after: {bounded(str(e))}") from e

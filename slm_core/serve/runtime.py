@@ -95,12 +95,13 @@ class Runtime:
             raise result.error
         return result.answer
 
-    def run(self, values: list[Any]) -> list[Result]:
+    def run(self, values: list[Any], encoded: list | None = None) -> list[Result]:
         """Up to max_batch request values in one graph call, packed one after another. Per value,
-        in order, its Result; a refused one does not hold back the others."""
+        in order, its Result; a refused one does not hold back the others. `encoded`: the values
+        as Task.encode gives them, where the caller has them already."""
         if len(values) > self.task.max_batch:
             raise ValueError(f"{len(values)} requests exceed max_batch={self.task.max_batch}")
-        encoded = self.task.encode(values)
+        encoded = self.task.encode(values) if encoded is None else encoded
         rows = [
             None if isinstance(e, InputError) or not self.task.option_columns else self.task.options(v)
             for v, e in zip(values, encoded)

@@ -117,6 +117,7 @@ def test_a_request_past_its_deadline_is_refused_before_the_graph(archives):
     handler = SlmHandler()
     handler.initialize(ctx)
     assert handler.deadlines.default_ms is None and handler.deadlines.call_ms  # a CPU build: the build's timings
+    assert handler.deadlines.sizes and all(len(point) == 3 for point in handler.deadlines.sizes)  # and by size
     out = handler.handle(
         [{"body": b'{"texts": ["late"]}'}, {"body": b'{"texts": ["a"]}'}, {"body": b'{"texts": ["b"]}'}], ctx
     )

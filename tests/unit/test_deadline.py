@@ -1,6 +1,7 @@
 """Deadlines at run time (slm_core.serve.deadline): a request past its deadline, or one that the
 call it would join cannot finish in time, gets a 504 and is never computed; the others are."""
 
+import json
 import re
 import time
 
@@ -10,7 +11,7 @@ from conftest import smollm2_path
 
 from slm_core import Engine, InputError
 from slm_core.compile.checkpoint import load_checkpoint
-from slm_core.serve.deadline import Deadlines, waited_ms
+from slm_core.serve.deadline import HEADER, Deadlines, waited_ms
 from slm_core.serve.protocol import Request, respond_batch
 from slm_core.spec import TaskSpec
 from slm_core.tasks import task_for
@@ -87,3 +88,56 @@ def test_late_requests_get_a_504_and_are_not_computed():
     assert b"deadline of 10 ms" in replies[2].body and b"takes up to 20.0 ms" in replies[2].body
     assert graph.calls == 1 and graph.texts == 2  # one call, the two requests that could make it
     assert replies[0].stats.batch == 2
+
+
+SIZED = Deadlines(None, {"1": 40.0, "4": 90.0}, ((1, 8, 2.0), (1, 64, 6.0), (4, 8, 5.0), (4, 64, 30.0), (8, 64, 50.0)))
+
+
+def test_a_call_is_bounded_by_the_smallest_timed_call_of_its_size_or_more():
+    """The cheapest timed call with at least the call's sequences, none shorter than its longest;
+    the token bounds where no timed call covers it or its size is not known."""
+    assert SIZED.call(1, 1, 8) == 2.0 and SIZED.call(1, 2, 8) == 5.0 and SIZED.call(1, 1, 9) == 6.0
+    assert SIZED.call(2, 3, 40) == 30.0 and SIZED.call(4, 8, 64) == 50.0
+    assert SIZED.call(4, 9, 10) == 90.0 and SIZED.call(1, 1, 65) == 40.0  # past every timed size
+    assert SIZED.call(2) == 90.0  # no size: the token bounds (the smallest timed count that holds 2)
+
+
+def test_the_refusal_names_the_calls_size():
+    refusal = SIZED.refusal({"x-slm-deadline-ms": "20"}, time.monotonic(), 2, 3, 40)
+    assert refusal.status == 504 and "a call of 2 request(s) (3 sequence(s), the longest 40 tokens)" in str(refusal)
+    assert "takes up to 30.0 ms" in str(refusal)
+    assert SIZED.refusal({"x-slm-deadline-ms": "20"}, time.monotonic(), 1, 2, 8) is None  # 5 ms
+
+
+def test_a_small_request_meets_a_deadline_that_a_call_at_the_bounds_would_miss(random_checkpoint):
+    """A score task with wide bounds (8 texts of 256 tokens), its calls timed by size on this CPU
+    as a build times them (time_sizes): a request of four short texts is answered within a
+    deadline shorter than a call at the bounds, and one at the bounds is refused at once (504),
+    not computed."""
+    from helpers import engine_for
+
+    from slm_core.compile.checks import time_sizes
+
+    ckpt = load_checkpoint(random_checkpoint("qwen2")[0])
+    engine = engine_for(ckpt, task="score", labels=["yes", "no"], max_texts=8, max_text_tokens=256, max_batch=1)
+    timed = Deadlines(None, {}, tuple(map(tuple, time_sizes(engine))))
+    bounds = timed.call(1, 8, engine.task.sequence_tokens)  # a call at the bounds
+    small = ["the quick brown fox", "a", "search engines rank documents", "beam search"]
+    estimate = timed.call(1, 4, max(len(s) for s in engine.task.encode([small])[0]))
+    assert estimate * 4 < bounds, (estimate, bounds)  # the premise: a short request is far cheaper
+    deadline = f"{(estimate * 2 + bounds) / 3:.1f}"  # within the bound's call, well above the request's
+    start = time.perf_counter()
+    (answered,) = respond_batch(
+        engine, [Request({"body": json.dumps({"texts": small}).encode()}, {HEADER: deadline})], timed
+    )
+    took = (time.perf_counter() - start) * 1e3
+    assert answered.status == 200 and took < float(deadline), (answered.body, took, deadline)
+    longest = "the lazy dog"
+    while not isinstance(engine.task.encode([[longest + " the lazy dog"]])[0], InputError):
+        longest += " the lazy dog"  # the longest text of these words within the 256 tokens
+    at_bounds = json.dumps({"texts": [longest] * 8})
+    start = time.perf_counter()
+    (refused,) = respond_batch(engine, [Request({"body": at_bounds.encode()}, {HEADER: deadline})], timed)
+    took = (time.perf_counter() - start) * 1e3
+    assert refused.status == 504 and b"not computed" in refused.body, refused.body
+    assert took < bounds, (took, bounds)  # refused before the call (its tokenizing only)

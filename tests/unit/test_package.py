@@ -70,6 +70,11 @@ def test_manifest_records_the_task_its_request_path_and_the_build(archives):
     beam = json.loads((archives["tiny_beam"] / MANIFEST).read_text())
     assert beam["pipeline"][1]["constants"]["stop_ids"] and beam["check"]["shared_candidates"] == 1.0
     assert set(beam["call_ms"]) == {"1", "2"} and all(0 < ms < 60_000 for ms in beam["call_ms"].values())
+    # calls by size, for deadlines: 1, 2 sequences (a full call of the beam's 2 prompts) of 1/8 ... all of the bound
+    sizes = {(n, length): ms for n, length, ms in beam["call_ms_by_size"]}
+    lengths = sorted({length for _, length in sizes})
+    assert {n for n, _ in sizes} == {1, 2} and len(lengths) == 4 and lengths[-1] == beam["task"]["max_prompt_tokens"]
+    assert all(0 < ms < 60_000 for ms in sizes.values())
 
 
 def test_archives_carry_their_serving_spec_and_serve_time_sources_only(archives):
