@@ -6,14 +6,17 @@
 
 1. It creates DRAIN_FILE: deploy/ready.py answers "not ready" from then on, so the Service takes
    the replica out of its endpoints and sends new requests to the others.
-2. It waits until no request has arrived for DRAIN_QUIET seconds (TorchServe's
-   ts_inference_requests_total, counted at arrival, has not moved) and no model has a request in
-   its queue. A request lives at most its deadline plus one call, far under the quiet time, so by
-   then every request that arrived has had its answer.
+2. It waits until, for DRAIN_QUIET seconds together, no request has arrived (TorchServe's
+   ts_inference_requests_total, counted at arrival, has not moved), no model has a request in its
+   queue and no worker holds one. TorchServe stops counting a request as pending once a worker has
+   taken it, so the workers mark the requests they hold (slm_core/serve/in_flight.py: a file per
+   batch in SLM_IN_FLIGHT_DIR, else $TMPDIR/slm-in-flight); a mark whose process is gone (a
+   killed worker) does not count. So a call of any length is answered before TorchServe stops.
 
 deploy/serve.sh runs it when the replica gets SIGTERM, then stops TorchServe. Settings
 (environment, defaults in brackets): DRAIN_FILE [$TMPDIR/slm-draining], DRAIN_QUIET [2],
-DRAIN_TIMEOUT [25: keep it under the pod's terminationGracePeriodSeconds], MANAGEMENT and METRICS
+DRAIN_TIMEOUT [25: keep it under the pod's terminationGracePeriodSeconds], SLM_IN_FLIGHT_DIR
+[$TMPDIR/slm-in-flight], MANAGEMENT and METRICS
 [the management_address and metrics_address of --config, the TorchServe config serve.sh serves
 with; else deploy/config.properties' http://127.0.0.1:8081 and :8082]. The standard library only.
 """
@@ -31,6 +34,24 @@ ARRIVALS = "ts_inference_requests_total"
 
 def drain_file() -> Path:
     return Path(os.environ.get("DRAIN_FILE") or Path(tempfile.gettempdir()) / "slm-draining")
+
+
+def held() -> int:
+    """Requests the workers of this replica hold now: the marks of live processes (their files are
+    named PID-BATCH and hold the batch's request count)."""
+    folder = Path(os.environ.get("SLM_IN_FLIGHT_DIR") or Path(tempfile.gettempdir()) / "slm-in-flight")
+    total = 0
+    for mark in folder.glob("*-*") if folder.is_dir() else ():
+        try:
+            os.kill(int(mark.name.split("-")[0]), 0)
+            total += int(mark.read_text() or 1)  # a mark being written counts as one
+        except (ProcessLookupError, ValueError):  # its process is gone, or not a mark
+            continue
+        except PermissionError:  # a live process of another user
+            total += 1
+        except FileNotFoundError:  # answered meanwhile
+            continue
+    return total
 
 
 def arrivals(metrics: str, timeout: float = 2.0) -> float:
@@ -57,15 +78,15 @@ def queued(management: str, timeout: float = 2.0) -> int:
 
 
 def drain(management: str, metrics: str, quiet: float, timeout: float, poll: float = 0.2) -> bool:
-    """Mark the replica draining, then wait (up to `timeout` s) for `quiet` s without an arrival
-    and with empty queues; whether that came."""
+    """Mark the replica draining, then wait (up to `timeout` s) for `quiet` s without an arrival,
+    with empty queues and no request held by a worker; whether that came."""
     drain_file().touch()
     end = time.monotonic() + timeout
     seen, since = arrivals(metrics), time.monotonic()
     while time.monotonic() < end:
         time.sleep(poll)
         now = arrivals(metrics)
-        if now != seen or queued(management):
+        if now != seen or queued(management) or held():
             seen, since = now, time.monotonic()
         elif time.monotonic() - since >= quiet:
             return True
@@ -101,7 +122,7 @@ def main() -> int:
         return 1
     took = time.monotonic() - start
     if drained:
-        print(f"drain: no request for {quiet:g} s and the queues empty after {took:.1f} s: drained")
+        print(f"drain: no request for {quiet:g} s, the queues empty and none in a worker after {took:.1f} s: drained")
         return 0
     print(f"drain: requests still arriving after {took:.1f} s (DRAIN_TIMEOUT): stopping anyway", file=sys.stderr)
     return 1

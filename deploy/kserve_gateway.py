@@ -215,6 +215,10 @@ class Gateway:
                 allow_redirects=False,
             ) as r:
                 answer = await r.read()
+                if "name" in request.match_info and r.status >= 400:
+                    refusal = torchserve_refusal(answer)
+                    if refusal is not None:  # TorchServe's own (an unknown model, a full queue): KServe's shape
+                        return error(r.status, refusal)
                 return web.Response(
                     status=r.status, reason=r.reason or None, body=answer, headers=end_to_end(r.headers)
                 )
@@ -224,6 +228,18 @@ class Gateway:
             return error(504, f"TorchServe at {self.inference} did not answer in {READ_S:g} s")
         except aiohttp.ClientError as e:
             return error(502, f"TorchServe at {self.inference}: {e!r}")
+
+
+def torchserve_refusal(body: bytes) -> "str | None":
+    """The message of an error TorchServe itself answered ({"code", "type", "message"}), or None
+    for any other body (the handler's errors are KServe's {"error": ...} already)."""
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        return None
+    if isinstance(answer, dict) and "error" not in answer and isinstance(answer.get("message"), str):
+        return answer["message"]
+    return None
 
 
 @web.middleware

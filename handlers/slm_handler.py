@@ -21,6 +21,7 @@ from ts.utils.util import PredictionException
 
 from slm_core import manifest
 from slm_core.errors import DeviceLost
+from slm_core.serve import in_flight
 from slm_core.serve.deadline import Deadlines
 from slm_core.serve.kserve import metadata
 from slm_core.serve.loader import load_package, mps_running
@@ -196,9 +197,12 @@ class SlmHandler:
         # batch may hold beside predictions (and a client may send): it alone gets the description
         describe = [request.headers.get("describe") == "True" for request in batch]
         try:
-            answered = iter(
-                respond_batch(self.engine, [r for r, d in zip(batch, describe) if not d], self.deadlines, self.model)
-            )
+            with in_flight.holding(len(batch)):  # until answered: what a drain waits for
+                answered = iter(
+                    respond_batch(
+                        self.engine, [r for r, d in zip(batch, describe) if not d], self.deadlines, self.model
+                    )
+                )
         except DeviceLost:
             # Every later call would fail too, and under MPS the GPU takes no new client until this
             # process is gone: exit, so that TorchServe starts a worker with a fresh context. The

@@ -115,18 +115,24 @@ def time_calls(engine: Runtime, repeat: int = 5) -> dict[str, float]:
 LENGTH_SHARES = (8, 4, 2, 1)  # the sequence lengths timed: the token bound over each
 
 
-def time_sizes(engine: Runtime, repeat: int = 2) -> list[list]:
+def time_sizes(engine: Runtime, full_call_ms: float | None = None) -> list[list]:
     """Milliseconds of a call by its size, for deadline admission by what a call holds
     (slm_core.serve.deadline): [sequences, tokens per sequence, ms] for 1, 2, 4 ... sequences up
     to a full call's and sequences of 1/8, 1/4, 1/2 and all of the token bound. Each point
-    over-states any call it covers (no more sequences, none longer) by at most 2x in either. The
-    fastest of `repeat` after one warm-up, as time_calls."""
+    over-states any call it covers (no more sequences, none longer) by at most 2x in either.
+    full_call_ms: a full call at the bounds as time_calls measured it, taken as it is. On CUDA the
+    fastest of 2 after one warm-up (a CUDA-graph bucket's first replay), as time_calls; on a CPU,
+    whose calls at the bounds take seconds and whose engine has run already, one call: a slow
+    one only over-states."""
     task = engine.task
     full = task.call_texts
     counts = sorted({1 << i for i in range(full.bit_length())} | {full})
     lengths = sorted({max(1, -(-task.sequence_tokens // share)) for share in LENGTH_SHARES})
-    return [
-        [n, length, min([engine.synthetic_call(n, n * length) for _ in range(repeat + 1)][1:])]
-        for n in counts
-        for length in lengths
-    ]
+    runs, skip = (3, 1) if engine.device.type == "cuda" else (1, 0)
+
+    def timed(n: int, length: int) -> float:
+        if full_call_ms is not None and (n, length) == (full, task.sequence_tokens):
+            return full_call_ms
+        return min([engine.synthetic_call(n, n * length) for _ in range(runs)][skip:])
+
+    return [[n, length, timed(n, length)] for n in counts for length in lengths]

@@ -89,7 +89,10 @@ def build_package(
         progress(f"accuracy gate passed: {fp8}")
     call_ms = step("timing calls at the token bounds (1, 2, 4 ... max_batch requests)", lambda: time_calls(compiled))
     progress("calls at the token bounds: " + ", ".join(f"{b} request(s) {ms:.1f} ms" for b, ms in call_ms.items()))
-    sizes = step("timing calls by their size (sequences x tokens, for deadlines)", lambda: time_sizes(compiled))
+    sizes = step(
+        "timing calls by their size (sequences x tokens, for deadlines)",
+        lambda: time_sizes(compiled, call_ms[str(task.max_batch)]),
+    )
     task.tokenizer.tokenizer.save(str(out_dir / package.TOKENIZER))
     manifest = {
         "format": package.FORMAT,

@@ -22,9 +22,10 @@ def test_serves_the_real_archive_it_finds(tmp_path, demo):
     the deploy config (its ports moved to free ones). The readiness probe (deploy/ready.py) says
     ready once the model has a READY worker, and a request then is answered at once; /metrics
     answers; a store archive TorchServe does not serve keeps the probe not ready. Then SIGTERM
-    to serve.sh alone, as Kubernetes sends it, under load: the probe says draining at once, the
-    load stops as the Service would stop sending, every request sent is answered 200, and
-    serve.sh exits 0 once TorchServe has stopped."""
+    to serve.sh alone, as Kubernetes sends it, under load of calls longer than the drain's quiet
+    period (DRAIN_QUIET 0.3 s): the probe says draining at once, the load stops as the Service
+    would stop sending, every request sent is answered 200, and serve.sh exits 0 once TorchServe
+    has stopped."""
     from conftest import smollm2_path
 
     (tmp_path / "tasks").mkdir()
@@ -54,6 +55,7 @@ def test_serves_the_real_archive_it_finds(tmp_path, demo):
         "BUILD_ONLY": "0",
         "TS_CONFIG": str(tmp_path / "ts.properties"),
         "DRAIN_FILE": drain_file,
+        "DRAIN_QUIET": "0.3",  # shorter than a call here: the drain must wait for the calls in the workers
         "TMPDIR": str(tmp_path / "run" / "tmp"),
         "LOG_LOCATION": str(tmp_path / "run" / "logs"),
         "METRICS_LOCATION": str(tmp_path / "run" / "logs"),
@@ -127,20 +129,25 @@ def test_serves_the_real_archive_it_finds(tmp_path, demo):
 
 
 def drain_under_load(proc: subprocess.Popen, url: str, ready, log: Path) -> None:
-    """SIGTERM to serve.sh while two clients send requests back to back. A stand-in for the
-    Service stops sending 0.5 s after the probe first says draining (the endpoint update). Every
-    request sent gets its 200; serve.sh says it drained and exits 0."""
+    """SIGTERM to serve.sh while two clients send requests back to back, each a call longer than
+    the drain's quiet period. A stand-in for the Service stops sending 0.5 s after the probe first
+    says draining (the endpoint update). Every request sent gets its 200; serve.sh says it drained
+    and exits 0."""
     import threading
 
-    body = json.dumps({"texts": ["cheap flights to rome", "iphone case"]}).encode()
+    texts = ["cheap flights to rome and back " * 9, "iphone case with a strap " * 9] * 2  # ~110 tokens each
+    body = json.dumps({"texts": texts}).encode()
     statuses: list = []
+    graph_ms: list = []
     sending = threading.Event()
     sending.set()
 
     def client():
         while sending.is_set():
+            headers: dict = {}
             try:
-                statuses.append(http("POST", url, body, {"Content-Type": "application/json"}, timeout=30)[0])
+                statuses.append(http("POST", url, body, {"Content-Type": "application/json"}, 60, headers)[0])
+                graph_ms.append(float(headers.get("x-slm-graph-ms", 0)))
             except OSError as e:  # a reset or refused connection: a request lost
                 statuses.append(repr(e))
 
@@ -166,3 +173,4 @@ def drain_under_load(proc: subprocess.Popen, url: str, ready, log: Path) -> None
     print(f"\ndrain: {len(statuses)} requests under load, stopped {time.monotonic() - start:.1f} s after SIGTERM")
     assert statuses and all(s == 200 for s in statuses), [s for s in statuses if s != 200][:5]
     assert code == 0 and "drained" in text, text[-2000:]
+    assert min(graph_ms) > 300, graph_ms  # the premise: every call outlasts the quiet period

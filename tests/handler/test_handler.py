@@ -296,3 +296,23 @@ def test_workers_share_a_gpu_counts_the_gpus_they_are_dealt_to():
     assert workers_share_a_gpu(spec(4, (0, 1)), host_gpus=8)
     assert workers_share_a_gpu(spec(3, (0, 1)), host_gpus=2)
     assert not workers_share_a_gpu(spec(1), host_gpus=0)
+
+
+def test_a_batch_is_marked_in_flight_while_it_is_handled(archives, tmp_path, monkeypatch):
+    """What deploy/drain.py waits for: the batch's requests marked in SLM_IN_FLIGHT_DIR while the
+    handler computes them, the mark gone once they are answered."""
+    import handlers.slm_handler as slm_handler
+
+    monkeypatch.setenv("SLM_IN_FLIGHT_DIR", str(tmp_path))
+    ctx = MockContext(archives["tiny_score"], ServingSpec("cpu", 1, 3, 30).model_config())
+    handler = SlmHandler()
+    handler.initialize(ctx)
+    marks, respond = [], slm_handler.respond_batch
+
+    def watched(*args):
+        marks.append([p.read_text() for p in tmp_path.iterdir()])
+        return respond(*args)
+
+    monkeypatch.setattr(slm_handler, "respond_batch", watched)
+    out = handler.handle([{"body": b'{"texts": ["a"]}'}, {"body": b'{"texts": ["b", "c"]}'}], ctx)
+    assert len(out) == 2 and marks == [["2"]] and list(tmp_path.iterdir()) == []

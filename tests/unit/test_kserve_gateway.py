@@ -416,9 +416,15 @@ def test_errors_are_bounded(stack):
     assert status == 404 and len(body["error"]) <= 500
 
 
-def test_torchserve_statuses_and_bodies_pass_unchanged(stack):
+def test_torchserves_own_refusals_on_kserve_paths_are_kserve_errors(stack):
+    """A model TorchServe does not know, asked on a KServe path: TorchServe's status with KServe's
+    {"error": ...}; on TorchServe's own path its answer passes unchanged."""
     port, _, _ = stack
-    status, headers, body = call(port, "POST", "/v2/models/ghost/infer", b"{}", {"Content-Type": "application/json"})
+    for path in ("/v2/models/ghost/infer", "/v1/models/ghost:predict"):
+        status, headers, body = call(port, "POST", path, b"{}", {"Content-Type": "application/json"})
+        assert status == 404 and json.loads(body) == {"error": "Model not found: ghost"}, (path, body)
+        assert headers["content-type"] == "application/json"
+    status, _, body = call(port, "POST", "/predictions/ghost", b"{}", {"Content-Type": "application/json"})
     assert status == 404 and json.loads(body) == {"code": 404, "message": "Model not found: ghost"}
 
 
