@@ -94,22 +94,28 @@ def fp8_gate(reference: Runtime, quantized: Runtime, thresholds: GateThresholds)
     return gate
 
 
+def timed_call(engine: Runtime, sequences: int, tokens: int, repeat: int) -> float:
+    """Milliseconds of one synthetic call of this size. On CUDA the fastest of `repeat` after one
+    warm-up (a CUDA-graph bucket's first replay; other work on the GPU slows some calls, not all).
+    On a CPU one call: a build's calls at the bounds take seconds there, its engine has run
+    already, and a slow sample only over-states what admission plans with."""
+    if engine.device.type != "cuda":
+        return engine.synthetic_call(sequences, tokens)
+    return min([engine.synthetic_call(sequences, tokens) for _ in range(repeat + 1)][1:])
+
+
 def time_calls(engine: Runtime, repeat: int = 5) -> dict[str, float]:
     """Milliseconds of one graph call at the task's bounds, copy-in to results on the host, per
     number of requests in the call (1, 2, 4, ... and max_batch; JSON keys), each request at its
     sequence and token bounds: the slowest call a worker makes with that many requests, which
-    admission plans with (slm_core.serving). The fastest of `repeat` after one warm-up: a call
-    alone on the GPU, as admission counts it (it counts the calls beside it apart). Other work on
-    the same GPU while the build runs (another build, tests) slows some of the calls, not all,
-    and their median up to 1.7x (bench/RESULTS.md)."""
+    admission plans with (slm_core.serving). timed_call's: a call alone on the GPU, as admission
+    counts it (it counts the calls beside it apart). Other work on the same GPU while the build
+    runs (another build, tests) slows some of the calls, not all, and their median up to 1.7x
+    (bench/RESULTS.md)."""
     task = engine.task
-
-    def fastest(requests: int) -> float:
-        n = requests * task.request_sequences
-        return min([engine.synthetic_call(n, n * task.sequence_tokens) for _ in range(repeat + 1)][1:])
-
     batches = sorted({1 << i for i in range(task.max_batch.bit_length())} | {task.max_batch})
-    return {str(b): fastest(b) for b in batches}
+    sequences = {b: b * task.request_sequences for b in batches}
+    return {str(b): timed_call(engine, n, n * task.sequence_tokens, repeat) for b, n in sequences.items()}
 
 
 LENGTH_SHARES = (8, 4, 2, 1)  # the sequence lengths timed: the token bound over each
@@ -120,19 +126,16 @@ def time_sizes(engine: Runtime, full_call_ms: float | None = None) -> list[list]
     (slm_core.serve.deadline): [sequences, tokens per sequence, ms] for 1, 2, 4 ... sequences up
     to a full call's and sequences of 1/8, 1/4, 1/2 and all of the token bound. Each point
     over-states any call it covers (no more sequences, none longer) by at most 2x in either.
-    full_call_ms: a full call at the bounds as time_calls measured it, taken as it is. On CUDA the
-    fastest of 2 after one warm-up (a CUDA-graph bucket's first replay), as time_calls; on a CPU,
-    whose calls at the bounds take seconds and whose engine has run already, one call: a slow
-    one only over-states."""
+    full_call_ms: a full call at the bounds as time_calls measured it, taken as it is. Each point
+    timed_call's, the fastest of 2 on CUDA."""
     task = engine.task
     full = task.call_texts
     counts = sorted({1 << i for i in range(full.bit_length())} | {full})
     lengths = sorted({max(1, -(-task.sequence_tokens // share)) for share in LENGTH_SHARES})
-    runs, skip = (3, 1) if engine.device.type == "cuda" else (1, 0)
 
     def timed(n: int, length: int) -> float:
         if full_call_ms is not None and (n, length) == (full, task.sequence_tokens):
             return full_call_ms
-        return min([engine.synthetic_call(n, n * length) for _ in range(runs)][skip:])
+        return timed_call(engine, n, n * length, repeat=2)
 
     return [[n, length, timed(n, length)] for n in counts for length in lengths]
