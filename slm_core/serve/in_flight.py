@@ -26,8 +26,11 @@ def holding(requests: int):
     be written leaves them unmarked: serving goes on, only a drain cannot wait for them."""
     path = directory() / f"{os.getpid()}-{next(_batches)}"
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(str(requests))
+        try:
+            path.write_text(str(requests))
+        except FileNotFoundError:  # the first batch of the replica: no directory yet
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(str(requests))
     except OSError:
         path = None
     try:
