@@ -3,10 +3,19 @@
 slm-archiver build --checkpoint PATH --task TASK.yaml --model-name NAME --export-path DIR [--device cpu|cuda]
 slm-archiver configure --archive NAME.mar --export-path DIR [--model-name NEW] [serving flags]
 slm-archiver catalog --archive NAME.mar --catalog ITEMS.jsonl --version V --export-path DIR
+slm-archiver publish --archive NAME.mar --catalog ITEMS.jsonl --store DIR --version V [--no-activate]
+slm-archiver activate --store DIR --version V
+slm-archiver rollback --store DIR
+
+A catalog store (docs/operations.md, A new catalog) replaces a running catalog model's catalog in
+place: build or configure the archive with --catalog-store DIR, then `publish` each new catalog
+into DIR; every worker serves the active version within a second, and `rollback` returns to the
+one before it.
 """
 
 import argparse
 import sys
+from pathlib import Path
 
 from slm_core.errors import SpecError
 
@@ -52,15 +61,38 @@ def main(argv: list[str] | None = None) -> int:
     )
     k.add_argument("--export-path", required=True, help="directory that receives the new archive")
     k.add_argument("--model-name", help="the model name (default: the built one's)")
+    pub = sub.add_parser("publish", help="a new catalog into a catalog store, checked and built, then served")
+    pub.add_argument("--archive", required=True, help="the served NAME.mar (its task checks the catalog)")
+    pub.add_argument("--catalog", required=True, help="the new catalog, JSONL (README.md, Tasks)")
+    pub.add_argument("--store", required=True, help="the store's directory (the archive's --catalog-store)")
+    pub.add_argument("--version", required=True, help="its version name, new to the store: letters, digits, . _ -")
+    pub.add_argument("--no-activate", action="store_true", help="publish only; `activate` serves it later")
+    a = sub.add_parser("activate", help="serve a published catalog version (or 'archive': the archive's own)")
+    a.add_argument("--store", required=True)
+    a.add_argument("--version", required=True)
+    r = sub.add_parser("rollback", help="serve the catalog version that was active before the current one")
+    r.add_argument("--store", required=True)
     args = parser.parse_args(argv)
 
-    from archiver.build import BuildConfig, build, catalog, configure
+    from archiver.build import BuildConfig, build, catalog, configure, publish
+    from slm_core.catalog_store import CatalogStore
     from slm_core.compile.checks import GateThresholds
     from slm_core.serving import ServingOptions
 
     try:
         if args.command == "catalog":
             catalog(args.archive, args.catalog, args.export_path, args.version, args.model_name)
+            return 0
+        if args.command == "publish":
+            publish(args.archive, args.catalog, args.store, args.version, not args.no_activate)
+            return 0
+        if args.command == "activate":
+            CatalogStore(args.store).activate(args.version)
+            print(f"slm-archiver: serving catalog version {args.version} from {args.store}", file=sys.stderr)
+            return 0
+        if args.command == "rollback":
+            version = CatalogStore(args.store).rollback()
+            print(f"slm-archiver: rolled back: serving catalog version {version} from {args.store}", file=sys.stderr)
             return 0
         serving = ServingOptions(
             **given(
@@ -71,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                 response_timeout_s=args.response_timeout,
                 device_ids=tuple(args.device_ids) if args.device_ids else None,
                 cuda_graphs=False if args.no_cuda_graphs else None,
+                catalog_store=str(Path(args.catalog_store).resolve()) if args.catalog_store else None,
             )
         )
         if args.command == "build":
@@ -129,6 +162,11 @@ def _serving_flags(p: argparse.ArgumentParser) -> None:
         type=_ids,
         help="CUDA builds: the GPUs this model's workers go to in turn, e.g. 0,1 (default: every GPU of "
         "the host, in turn with the other models' workers); the queue grows with their number",
+    )
+    p.add_argument(
+        "--catalog-store",
+        help="catalog tasks: a directory of catalog versions (slm-archiver publish) that every worker "
+        "follows, swapping the active one in place (docs/operations.md, A new catalog)",
     )
     p.add_argument(
         "--no-cuda-graphs",

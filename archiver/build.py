@@ -1,4 +1,5 @@
-"""Build a TorchServe archive (.mar) for one task, and configure a new archive from a built one.
+"""Build a TorchServe archive (.mar) for one task, configure a new archive from a built one, and
+publish a catalog task's new catalogs into its store (slm_core.catalog_store).
 
 The archive holds the compiled package (graph.pt2, tokenizer.json, manifest.json), the handler,
 model-config.yaml (the ServingSpec) and the serve-time sources of slm_core, so it runs wherever
@@ -64,6 +65,7 @@ def build(config: BuildConfig) -> Path:
         stage = Path(tmp) / "stage"
         progress(f"loading checkpoint {config.checkpoint}")
         ckpt = load_checkpoint(config.checkpoint)
+        _check_store(config.serving, spec)
         manifest = build_package(ckpt, spec, RuntimeSpec(config.device), stage, progress, config.gate)
         progress(f"compiled graph matches eager: {manifest['check']}")
         serving, note = plan(config.serving, config.device, manifest["task"]["max_batch"], manifest["call_ms"])
@@ -93,6 +95,7 @@ def configure(
     recompile: seconds."""
     archive = Path(archive)
     manifest = read_manifest(archive)
+    _check_store(options, TaskSpec.from_dict(manifest["task"]))
     serving, note = plan(options, manifest["device"], manifest["task"]["max_batch"], manifest["call_ms"])
     progress(note)
     name = model_name or archive.stem
@@ -118,30 +121,19 @@ def catalog(
     built one's compiled graph, serving spec and handler with `catalog_file` (JSONL) in place of
     its catalog. The graph takes the catalog as inputs, so there is no recompile: seconds. The
     new catalog must fit the task's bounds."""
-    from tokenizers import Tokenizer
-
-    from slm_core.manifest import GRAPH, TOKENIZER
-    from slm_core.tasks import task_for
+    from slm_core.manifest import GRAPH
 
     archive = Path(archive)
     manifest = read_manifest(archive)
-    spec = TaskSpec.from_dict(manifest["task"])
-    if spec.catalog is None:
-        raise SpecError(f"{archive} serves a task without a catalog (task key 'catalog')")
     name = model_name or _model_name(archive)
     export = Path(export_path)
     target = export / f"{name}-{version}.mar"
     if target.resolve() == archive.resolve():
         raise SpecError(f"catalog would write over {archive}: give another --version or --export-path")
+    task = _catalog_task(archive, catalog_file)
     export.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f"{name}-") as tmp:
         stage = _unpack(archive, Path(tmp))
-        progress(f"building the catalog trie of {catalog_file}")
-        task = task_for(
-            dataclasses.replace(spec, catalog=str(Path(catalog_file).resolve())),
-            Tokenizer.from_file(str(stage / TOKENIZER)),
-            manifest["device"],
-        )
         manifest["task"] = task.write_data(stage).to_dict()
         manifest["pipeline"] = task.pipeline(manifest["device"], GRAPH)
         (stage / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -153,6 +145,48 @@ def catalog(
         shutil.move(mar, target)
     progress(f"done: {target}")
     return target
+
+
+def publish(
+    archive: "str | Path", catalog_file: "str | Path", store: "str | Path", version: str, activate: bool = True
+) -> Path:
+    """`catalog_file` (JSONL) as catalog version `version` of a catalog task's store, checked against
+    the archive's task (its tokenizer, new tokens, stop tokens and bounds: a bad catalog is refused
+    with the line that breaks them, and the store is left as it was) and built into the trie the
+    workers load; then served by every worker following the store, unless activate is False."""
+    from slm_core.catalog_store import CatalogStore, check_version
+
+    check_version(version)
+    task = _catalog_task(Path(archive), catalog_file)
+    target = CatalogStore(store).publish(task.catalog, version, str(Path(catalog_file).resolve()))
+    progress(f"published {target}: {task.catalog.summary()}")
+    if activate:
+        CatalogStore(store).activate(version)
+        progress(f"activated {version}: workers following {store} serve it within a second")
+    return target
+
+
+def _catalog_task(archive: Path, catalog_file: "str | Path"):
+    """The archive's catalog task over `catalog_file` (SpecError naming its line where it breaks
+    the task's bounds)."""
+    from tokenizers import Tokenizer
+
+    from slm_core.manifest import TOKENIZER
+    from slm_core.tasks import task_for
+
+    manifest = read_manifest(archive)
+    spec = TaskSpec.from_dict(manifest["task"])
+    if spec.catalog is None:
+        raise SpecError(f"{archive} serves a task without a catalog (task key 'catalog')")
+    with zipfile.ZipFile(archive) as z:
+        tokenizer = Tokenizer.from_str(z.read(TOKENIZER).decode("utf-8"))
+    progress(f"building the catalog trie of {catalog_file}")
+    return task_for(dataclasses.replace(spec, catalog=str(Path(catalog_file).resolve())), tokenizer, manifest["device"])
+
+
+def _check_store(options: ServingOptions, spec: TaskSpec) -> None:
+    if options.catalog_store and spec.catalog is None:
+        raise SpecError("a catalog store (--catalog-store) serves catalog tasks only (task key 'catalog')")
 
 
 def _unpack(archive: Path, tmp: Path) -> Path:

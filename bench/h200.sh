@@ -12,6 +12,7 @@
 #   bash bench/h200.sh profile # where one request's time goes, per archive, CUDA graphs on/off
 #   bash bench/h200.sh loadtime # where a worker's package load goes (bench.load_time), per default archive
 #   bash bench/h200.sh cpupath # the handler's CPU path (bench.cpu_path) per tokenizer thread pool size
+#   bash bench/h200.sh catalogswap # W4 following a catalog store: catalogs swapped in place under 0.8x capacity
 #   bash bench/h200.sh reliability # on the archiver's default deployments: bad input (bench.reliability fuzz),
 #                              # 3x capacity for 60 s (overload); $SOAK seconds at 0.8x capacity if set
 #   bash bench/h200.sh start   # in the background: build beside check + kernels, then profile, then bench,
@@ -24,7 +25,7 @@
 # Optional: $VARIANTS, $SLM (below), $SYSTEMS (slm,hf: SYSTEMS=slm leaves the peer out), PROFILE=0, CHECK=0, KERNELS=0,
 # KERNELS_ONLY=TEXT (the kernel bench's cases whose name holds TEXT), STEP_BENCH=1 (bench.step_bench
 # first in the check slot, beside the build),
-# BENCH=0, LOADTIME=1 (the loadtime step after the profiles), CPU_PATH=1 (first, the host quiet: bench.cpu_path
+# BENCH=0, CATALOG_SWAP=1 (the catalogswap step after the build; SWAPS, CAPACITY), LOADTIME=1 (the loadtime step after the profiles), CPU_PATH=1 (first, the host quiet: bench.cpu_path
 # per tokenizer thread pool size, $CPU_PATH_THREADS, default "1 2 4 16"),
 # RELIABILITY=1 (the reliability step after the bench; SOAK=600 adds the soak; DEADLINE=80: every
 # overload request carries that deadline; STEPS=fuzz,overload,kill,gpu-fault adds kill -9 of a worker
@@ -147,6 +148,19 @@ reliability)
         [ -n "${SOAK:-}" ] && python3 -m bench.reliability soak "${common[@]}" ${capacity:+--capacity "$capacity"} --seconds "$SOAK" \
             --out "$OUT/reliability_soak_${name}.json" > "$OUT/reliability_soak_${name}.log" 2>&1
     done ;;
+catalogswap)
+    # W4's archive following a catalog store, as the archiver's default deployment (2 workers): 1M-item
+    # catalogs of seeds 1..$SWAPS (default 3) published in turn under 0.8x $CAPACITY (default 413 req/s,
+    # W4's), then a rollback (bench.reliability catalog-swap). Needs the W4 build (VARIANTS=1:8:beam WORKLOADS=W4)
+    store=$WORK/catalog-store
+    rm -rf "$store"
+    python3 -m archiver configure --archive "$WORK/model-store/slm_retrieve_qwen25_b8.mar" --export-path "$WORK/model-store" \
+        --model-name retrieve_swap --workers 2 --response-timeout 600 --device-ids 0 --catalog-store "$store" || exit 1
+    catalogs=$(python3 -c "from pathlib import Path; from bench.workloads import catalog_items
+print(','.join(str(catalog_items(Path('$WORK') / f'catalog-1000000-{s}.jsonl', seed=s)) for s in range(1, ${SWAPS:-3} + 1)))")
+    python3 -m bench.reliability catalog-swap --archive "$WORK/model-store/retrieve_swap.mar" --workers 2 --task beam \
+        --max-tokens 512 --workload W4 --tokenizer bench/assets/tokenizer.json --capacity "${CAPACITY:-413}" \
+        --store "$store" --catalogs "$catalogs" --out "$OUT/catalog_swap.json" --logs "$OUT/catalog_swap_logs" ;;
 all)
     export OUT=$PIPE
     mkdir -p "$OUT"
@@ -158,6 +172,7 @@ all)
       [ "${KERNELS:-1}" = 0 ] || bash "$0" kernels > "$OUT/kernels.log" 2>&1; } &
     wait
     [ "${CATALOG:-0}" = 1 ] && bash "$0" catalog > "$OUT/catalog.log" 2>&1
+    [ "${CATALOG_SWAP:-0}" = 1 ] && bash "$0" catalogswap > "$OUT/catalog_swap.log" 2>&1
     # the in-process profiles before the sweeps: the GPU to themselves, and back first
     [ "${PROFILE:-1}" = 1 ] && bash "$0" profile > "$OUT/profile.log" 2>&1
     [ "${LOADTIME:-0}" = 1 ] && bash "$0" loadtime > "$OUT/loadtime.log" 2>&1
@@ -177,7 +192,7 @@ start)
         BENCH_ARGS=${BENCH_ARGS:-} PROFILE=${PROFILE:-1} CHECK=${CHECK:-1} KERNELS=${KERNELS:-1} \
         RELIABILITY=${RELIABILITY:-0} BENCH=${BENCH:-1} SOAK=${SOAK:-} RELIABLE=${RELIABLE:-} STEPS=${STEPS:-} \
         FAULT_SECONDS=${FAULT_SECONDS:-} DEADLINE=${DEADLINE:-} \
-        MPS=${MPS:-1} NOMPS_SLM=${NOMPS_SLM:-} CATALOG=${CATALOG:-0} LOADTIME=${LOADTIME:-0} PROFILE_GRAPHS="${PROFILE_GRAPHS:-on off}" \
+        MPS=${MPS:-1} NOMPS_SLM=${NOMPS_SLM:-} CATALOG=${CATALOG:-0} CATALOG_SWAP=${CATALOG_SWAP:-0} SWAPS=${SWAPS:-3} CAPACITY=${CAPACITY:-413} LOADTIME=${LOADTIME:-0} PROFILE_GRAPHS="${PROFILE_GRAPHS:-on off}" \
         PROFILE_BEAM=${PROFILE_BEAM:-W2,W3} KERNELS_ONLY="${KERNELS_ONLY:-}" CPU_PATH=${CPU_PATH:-0} CPU_PATH_THREADS="${CPU_PATH_THREADS:-1 2 4 16}" \
         STEP_BENCH=${STEP_BENCH:-0} \
         setsid nohup bash "$WORK/pipeline.sh" all > "$WORK/pipeline.log" 2>&1 < /dev/null &
@@ -191,5 +206,5 @@ follow)
     for f in "$PIPE"/*.log; do echo "== $f"; tail -n 8 "$f"; done
     [ -e "$PIPE/DONE" ] && echo PIPELINE DONE || echo "PIPELINE RUNNING (follow again)" ;;
 *)
-    echo "usage: bench/h200.sh build|check|check-full|kernels|gemm|bench|profile|loadtime|cpupath|reliability|start|follow" >&2; exit 2 ;;
+    echo "usage: bench/h200.sh build|check|check-full|kernels|gemm|bench|profile|loadtime|cpupath|reliability|catalog|catalogswap|start|follow" >&2; exit 2 ;;
 esac

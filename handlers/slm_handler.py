@@ -20,8 +20,10 @@ from ts.metrics.metric_type_enum import MetricTypes
 from ts.utils.util import PredictionException
 
 from slm_core import manifest
+from slm_core.catalog_store import CatalogStore
 from slm_core.errors import DeviceLost
 from slm_core.serve import in_flight
+from slm_core.serve.catalog_watch import HEADROOM, CatalogWatch
 from slm_core.serve.deadline import Deadlines
 from slm_core.serve.kserve import metadata
 from slm_core.serve.loader import load_package, mps_running
@@ -125,12 +127,43 @@ def requests(data: list[dict], ctx) -> list[Request]:
     return out
 
 
+def record_version(metrics, watch: CatalogWatch, served: str | None) -> str:
+    """The catalog version this worker serves, as gauges for an operator's dashboard, when it
+    differs from `served` (the one recorded last): SlmCatalogVersion{Version, Worker} 1 for it
+    (0 for the one before), SlmCatalogSwapTime{Worker}, the Unix time of the worker's last swap.
+    Returns the version recorded."""
+    worker = Dimension("Worker", str(os.getpid()))
+    version = watch.version
+    if served is not None:
+        metrics.add_metric(
+            "SlmCatalogVersion",
+            0,
+            "count",
+            dimensions=[Dimension("Version", served), worker],
+            metric_type=MetricTypes.GAUGE,
+        )
+    metrics.add_metric(
+        "SlmCatalogVersion",
+        1,
+        "count",
+        dimensions=[Dimension("Version", version), worker],
+        metric_type=MetricTypes.GAUGE,
+    )
+    if watch.swapped_at is not None:
+        metrics.add_metric(
+            "SlmCatalogSwapTime", watch.swapped_at, "s", dimensions=[worker], metric_type=MetricTypes.GAUGE
+        )
+    return version
+
+
 class SlmHandler:
     def __init__(self):
         self.engine = None
         self.deadlines = None
         self.description = b"{}"
         self.model = ("", "")
+        self.watch: CatalogWatch | None = None  # with a catalog store: follows its active version
+        self.recorded_version: str | None = None
 
     def initialize(self, ctx) -> None:
         # Bodies reach handle() as the bytes the client sent, for slm_core.serve.protocol to parse
@@ -143,7 +176,16 @@ class SlmHandler:
         serving = ServingSpec.from_model_config(getattr(ctx, "model_yaml_config", None) or {})
         start = time.perf_counter()
         model_dir = ctx.system_properties["model_dir"]
-        self.engine = load_package(model_dir, ctx.system_properties.get("gpu_id"), serving.cuda_graphs)
+        self.engine = load_package(
+            model_dir,
+            ctx.system_properties.get("gpu_id"),
+            serving.cuda_graphs,
+            headroom=HEADROOM if serving.catalog_store else 0.0,
+        )
+        if serving.catalog_store:  # the active version from the first request on, then each poll's
+            self.watch = CatalogWatch(self.engine, CatalogStore(serving.catalog_store))
+            self.watch.poll()
+            self.watch.start()
         package = manifest.read(model_dir)
         self.deadlines = Deadlines(
             serving.deadline_ms, package.get("call_ms") or {}, tuple(map(tuple, package.get("call_ms_by_size") or ()))
@@ -216,6 +258,8 @@ class SlmHandler:
         failed = shared_grpc_error(grpc, replies)
         if ctx.metrics is not None:
             record_metrics(ctx.metrics, replies)
+            if self.watch is not None and self.watch.version != self.recorded_version:
+                self.recorded_version = record_version(ctx.metrics, self.watch, self.recorded_version)
         if failed is not None:
             raise PredictionException(failed.body.decode("utf-8"), failed.status)
         return [self._answer(i, reply, handler_ms, ctx, grpc[i]) for i, reply in enumerate(replies)]
@@ -234,4 +278,6 @@ class SlmHandler:
             ctx.set_response_header(i, "X-Slm-Handler-Ms", f"{handler_ms:.3f}")
             ctx.set_response_header(i, "X-Slm-Graph-Ms", f"{reply.stats.graph_ms:.3f}")
             ctx.set_response_header(i, "X-Slm-Batch", str(reply.stats.batch))
+            if reply.stats.data_version:  # the catalog version that answered it
+                ctx.set_response_header(i, "X-Slm-Catalog-Version", reply.stats.data_version)
         return reply.body

@@ -57,6 +57,7 @@ class Engine(Runtime):
         return eager_engine(load_checkpoint(path), TaskSpec.load(task), RuntimeSpec(device), cls)
 
     @classmethod
-    def from_package(cls, model_dir: "str | Path", gpu_id: int | None = None) -> "Engine":
-        """A built package (an unpacked archive), loaded as a worker loads it."""
-        return load_package(model_dir, gpu_id, engine=cls)
+    def from_package(cls, model_dir: "str | Path", gpu_id: int | None = None, headroom: float = 0.0) -> "Engine":
+        """A built package (an unpacked archive), loaded as a worker loads it; `headroom`: room for
+        a catalog swapped in later (swap) without new buffers, as a share of each of its sizes."""
+        return load_package(model_dir, gpu_id, engine=cls, headroom=headroom)

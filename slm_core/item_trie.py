@@ -22,6 +22,7 @@ that order, which is what the per-request exclusion (`exclusion`) counts on the 
 """
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from slm_core.errors import SpecError, json_type
 CATALOG = "catalog.safetensors"  # in a package
 NO_ITEM = -1
 FAR = np.int32(1 << 20)  # a padding edge's reach: beyond every new_tokens
+PADDING_EDGE = np.array([[0, NO_ITEM, FAR]], dtype=np.int32)  # vocab index 0, no item, unreachable
 
 
 @dataclass(frozen=True)
@@ -274,12 +276,44 @@ class ItemTrie:
         return cls(ids, tokens, (tokens >= 0).sum(1).astype(np.int32), levels, a["vocab"], int(a["stops"][0]))
 
     # --- the request path ----------------------------------------------------------------------
-    def graph_arrays(self) -> list[np.ndarray]:
-        """The graph's catalog inputs: vocab, then per level first, edges, slots."""
+    def graph_arrays(self, sizes: list[int] | None = None) -> list[np.ndarray] | None:
+        """The graph's catalog inputs: vocab, then per level first, edges, slots; with `sizes` (from
+        capacity), each padded to that first dimension, or None where this catalog does not fit
+        them. Padding changes no answer: vocab entries past the real ones are -1 (no column of
+        the catalog's scores), nodes past the real ones have no children, edges past them are
+        padding edges no node covers, slots past a node's fan-out are never valid."""
         out = [self.vocab]
         for level in self.levels:
             out += [level.first, level.edges, np.arange(level.fanout, dtype=np.int32)]
+        if sizes is None:
+            return out
+        if len(sizes) != len(out) or any(len(a) > size for a, size in zip(out, sizes)):
+            return None
+        for i, (a, size) in enumerate(zip(out, sizes)):
+            n = size - len(a)
+            if i == 0:  # vocab
+                pad = np.full(n, -1, dtype=np.int32)
+            elif i % 3 == 1:  # first: the last node's end again (nodes without children)
+                pad = np.full(n, a[-1], dtype=np.int32)
+            elif i % 3 == 2:  # edges
+                pad = np.tile(PADDING_EDGE, (n, 1))
+            else:  # slots
+                pad = np.arange(len(a), size, dtype=np.int32)
+            out[i] = np.concatenate([a, pad])
         return out
+
+    def capacity(self, headroom: float, bounds: list[int]) -> list[int]:
+        """First dimensions of graph arrays that hold this catalog and, in place, later ones with up
+        to `headroom` more tokens, edges per level (and the nodes they lead to) and fan-out per
+        level, within `bounds` (the compiled graph's). A level's nodes are the edges of the level
+        above it, so each `first` holds one more than the edges above."""
+        sizes = [len(a) for a in self.graph_arrays()]
+        for i in range(len(sizes)):
+            if i % 3 != 1:  # vocab, edges, slots: one more than the share, for small fan-outs
+                sizes[i] = max(sizes[i], min(bounds[i], math.ceil(sizes[i] * (1 + headroom)) + 1))
+            elif i > 1:  # first, below the root's
+                sizes[i] = max(sizes[i], min(bounds[i], sizes[i - 2] + 1))
+        return sizes
 
     def lookup(self, item_ids: list[str]) -> tuple[list[int], int]:
         """The item indices of the distinct ids that are in the catalog, and how many distinct ids
@@ -346,6 +380,6 @@ def _padded(first: np.ndarray, edges: np.ndarray, starts: np.ndarray, ends: np.n
     many as make two edges. They lead to nodes without children or items (an empty run at the
     end of the order)."""
     pad = max(1, 2 - edges.shape[0])
-    filler = np.tile(np.array([[0, NO_ITEM, FAR]], dtype=np.int32), (pad, 1))
+    filler = np.tile(PADDING_EDGE, (pad, 1))
     empty = np.full(pad, items, dtype=np.int64)
     return Level(first, np.concatenate([edges, filler]), np.concatenate([starts, empty]), np.concatenate([ends, empty]))

@@ -38,6 +38,7 @@ class ServingOptions:
     response_timeout_s: int = 120  # a call longer than this: TorchServe restarts the worker
     device_ids: tuple[int, ...] = ()  # the GPUs this model's workers go to, in turn
     cuda_graphs: bool = True  # replay calls from CUDA graphs captured at load (off: GPU memory for many models)
+    catalog_store: str | None = None  # catalog tasks: the directory of catalog versions workers follow
 
     def __post_init__(self):
         for name in ("workers", "queue", "response_timeout_s"):
@@ -73,6 +74,7 @@ class ServingSpec:
     device_ids: tuple[int, ...] = ()
     cuda_graphs: bool = True
     deadline_ms: float | None = None  # the deadline `queue` was sized for, if it was
+    catalog_store: str | None = None  # slm_core.catalog_store: the versions its workers swap in
 
     @property
     def gpus(self) -> int:
@@ -92,18 +94,22 @@ class ServingSpec:
             "startupTimeout": 600,
             "deviceType": "gpu" if cuda else "cpu",
             **({"deviceIds": list(self.device_ids)} if self.device_ids and cuda else {}),
-            HANDLER: {"cuda_graphs": self.cuda_graphs, "deadline_ms": self.deadline_ms},
+            HANDLER: {
+                "cuda_graphs": self.cuda_graphs,
+                "deadline_ms": self.deadline_ms,
+                **({"catalog_store": self.catalog_store} if self.catalog_store else {}),
+            },
         }
 
     @classmethod
     def from_model_config(cls, config: Mapping[str, Any]) -> "ServingSpec":
         """The spec an archive's model-config.yaml holds (TorchServe hands it to the handler)."""
         own = dict(config.get(HANDLER) or {})
-        unknown = set(own) - {"cuda_graphs", "deadline_ms"}
+        unknown = set(own) - {"cuda_graphs", "deadline_ms", "catalog_store"}
         if unknown:
             raise SpecError(
                 f"unknown keys {sorted(unknown)} in model-config.yaml's {HANDLER!r} section "
-                "(known: cuda_graphs, deadline_ms): rebuild the archive with this version"
+                "(known: cuda_graphs, deadline_ms, catalog_store): rebuild the archive with this version"
             )
         if type(own.get("cuda_graphs", True)) is not bool:
             raise SpecError(f"model-config.yaml's cuda_graphs must be true or false, got {own['cuda_graphs']!r}")
@@ -159,6 +165,7 @@ def plan(options: ServingOptions, device: str, max_batch: int, call_ms: dict[str
         tuple(options.device_ids) if cuda else (),
         options.cuda_graphs,
         deadline if options.queue is None else None,
+        options.catalog_store,
     )
     return spec, note
 

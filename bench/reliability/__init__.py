@@ -31,10 +31,15 @@ memory (and GPU memory where nvidia-smi runs) every second.
 kill and gpu-fault offer 0.8x capacity for --fault-seconds and, 5 s in, kill -9 one worker or run
 bench.gpu_fault beside the workers (an illegal memory access on the GPU): the requests lost, and
 when a new worker answers.
+catalog-swap offers 0.8x capacity to an --archive that follows a catalog store (--store): each of
+--catalogs published and activated in turn, then a rollback; per event, when every worker served
+the new version, answers of an older one after it, failures and P99 against before; GPU memory
+before and after.
 Without --capacity, it is measured first (bench.loadgen sweep: the highest closed-loop QPS within
 the SLO).
 
 Modules, one per step: fuzz.py (bad input), overload.py, soak.py, faults.py (kill, gpu-fault),
+catalog_swap.py,
 over open_loop.py (the generator and what it measures); __main__.py is the command line.
 tests/e2e/test_serving.py runs the bad-input part against the CPU test archives in CI.
 """

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from bench import reliability
+from bench.reliability.catalog_swap import catalog_swap
 from bench.reliability.faults import FAULTS, fault
 from bench.reliability.fuzz import Tolerance, bad_requests, run, valid_requests
 from bench.reliability.overload import overload
@@ -26,14 +27,15 @@ def measured_capacity(url: str, bodies: list[bytes]) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=reliability.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
-        "steps", help="fuzz, overload, soak, kill or gpu-fault; several comma-separated run one after the other"
+        "steps",
+        help="fuzz, overload, soak, kill, gpu-fault or catalog-swap; several comma-separated run one after the other",
     )
     p.add_argument("--url", help="the model's predictions URL (a running TorchServe)")
     p.add_argument("--management", help="TorchServe's management address")
     p.add_argument("--model")
     p.add_argument("--archive", type=Path, help="instead of --url: serve this .mar on a private TorchServe")
     p.add_argument("--workers", type=int, help="with --archive: its workers (default: its model-config's)")
-    p.add_argument("--workload", choices=["W1", "W2", "W3"], help="overload/soak: that workload's requests")
+    p.add_argument("--workload", choices=["W1", "W2", "W3", "W4"], help="overload/soak: that workload's requests")
     p.add_argument("--tokenizer", type=Path, help="with --workload: the tokenizer its texts are made for")
     p.add_argument("--logs", type=Path, help="with --archive: copy the private TorchServe's logs here at the end")
     p.add_argument("--task", choices=["score", "beam"], required=True)
@@ -53,11 +55,18 @@ def main() -> None:
     p.add_argument(
         "--fault-seconds", type=float, default=60.0, help="kill, gpu-fault: the load's seconds (the fault 5 s in)"
     )
+    p.add_argument(
+        "--catalogs",
+        help="catalog-swap: JSONL catalogs, comma-separated, published in turn into --store (then a rollback)",
+    )
+    p.add_argument("--store", type=Path, help="catalog-swap: the catalog store the --archive's workers follow")
     p.add_argument("--out", type=Path, help="also write the JSON result here")
     args = p.parse_args()
     steps = args.steps.split(",")
-    if not steps or not set(steps) <= {"fuzz", "overload", "soak", *FAULTS}:
-        p.error(f"steps {args.steps!r}: each one of fuzz, overload, soak, {', '.join(FAULTS)}")
+    if not steps or not set(steps) <= {"fuzz", "overload", "soak", "catalog-swap", *FAULTS}:
+        p.error(f"steps {args.steps!r}: each one of fuzz, overload, soak, catalog-swap, {', '.join(FAULTS)}")
+    if "catalog-swap" in steps and not (args.archive and args.store and args.catalogs):
+        p.error("catalog-swap needs --archive (following the store), --store and --catalogs")
     if args.workload and not args.tokenizer:
         p.error("--workload needs --tokenizer")
     server, results, tolerance = None, {}, Tolerance()
@@ -110,6 +119,17 @@ def main() -> None:
             if name == "overload":
                 results[name] = overload(
                     args.url, args.management, args.model, bodies, capacity, args.seconds, deadline_ms=args.deadline_ms
+                )
+            elif name == "catalog-swap":
+                results[name] = catalog_swap(
+                    args.url,
+                    args.management,
+                    args.model,
+                    bodies,
+                    capacity,
+                    args.archive,
+                    args.store,
+                    [Path(c) for c in args.catalogs.split(",")],
                 )
             elif name in FAULTS:
                 results[name] = fault(

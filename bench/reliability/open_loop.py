@@ -32,6 +32,7 @@ class Record(NamedTuple):
     status: int  # 0: a timeout or a broken connection
     worker: str  # the worker that answered (X-Slm-Worker), "" where none did
     lag_ms: float  # how late the generator sent it: a client-side delay no server figure holds
+    catalog: str = ""  # the catalog version that answered (X-Slm-Catalog-Version), "" where none
 
 
 def open_loop(
@@ -130,14 +131,16 @@ def _open_loop_part(
                 headers = {"Content-Type": JSON}
                 if deadline_ms is not None:
                     headers.update({"X-Slm-Deadline-Ms": f"{deadline_ms:g}", "X-Request-Start": f"t={time.time():.6f}"})
-                worker = ""
+                worker = catalog = ""
                 try:
                     async with session.post(url, data=body, headers=headers) as r:
                         await r.read()
                         status, worker = r.status, r.headers.get("X-Slm-Worker", "")
+                        catalog = r.headers.get("X-Slm-Catalog-Version", "")
                 except (TimeoutError, aiohttp.ClientError):
                     status = 0
-                out.append(Record(at, (time.perf_counter() - sent) * 1e3, status, worker, (sent - scheduled) * 1e3))
+                ms = (time.perf_counter() - sent) * 1e3
+                out.append(Record(at, ms, status, worker, (sent - scheduled) * 1e3, catalog))
                 if time.perf_counter() - handed[0] > report_s:
                     hand_over()
 

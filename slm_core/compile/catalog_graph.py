@@ -12,6 +12,10 @@ may only stop again. The top 2W of a prompt's K×(F+S) columns follow.
 Scores normalise over the whole vocabulary (transformers': the full LM head and its
 log-sum-exp) or, with catalog_scores "catalog", over the catalog's tokens only: the LM head then
 computes just their rows, gathered once per call.
+
+The arrays may be padded beyond the catalog (ItemTrie.graph_arrays: room for a catalog swapped in
+later, in place): padding vocab entries (-1) score -inf, padding nodes have no children and
+padding slots are never valid, so no answer changes.
 """
 
 import torch
@@ -44,13 +48,20 @@ class CatalogGraph(BeamGraph):
             torch.zeros(b, 1, dtype=torch.bool, device=device),
         )
 
-    def head(self, constants: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+    def head(self, constants: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """With catalog scores: the LM head's rows of the catalog's tokens [V', hidden], and which
+        of its entries pad `vocab` (-1: room for a catalog swapped in later), whose columns score
+        -inf and so count in no normaliser."""
         if not self.local_scores:
             return None
-        return self.model.lm_head.weight.index_select(0, constants[0].long())  # [V', hidden]
+        vocab = constants[0]
+        return self.model.lm_head.weight.index_select(0, vocab.clamp_min(0).long()), vocab < 0
 
-    def logits(self, hidden: torch.Tensor, head: torch.Tensor | None) -> torch.Tensor:
-        return self.model.logits(hidden) if head is None else F.linear(self.model.norm(hidden), head)
+    def logits(self, hidden: torch.Tensor, head: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        if head is None:
+            return self.model.logits(hidden)
+        rows, padding = head
+        return F.linear(self.model.norm(hidden), rows).masked_fill(padding, -INF)
 
     def expand(
         self,

@@ -31,11 +31,15 @@ _mine: tuple[Path, object] | None = None  # this process's directory and the loc
 
 
 def load_package(
-    model_dir: "str | Path", gpu_id: int | None = None, cuda_graphs: bool = True, engine: type[Runtime] | None = None
+    model_dir: "str | Path",
+    gpu_id: int | None = None,
+    cuda_graphs: bool = True,
+    engine: type[Runtime] | None = None,
+    headroom: float = 0.0,
 ) -> Runtime:
     """The Runtime (or `engine` class) of a built package: its task as the manifest records it,
     its compiled graph on `cuda:{gpu_id}` for CUDA builds, there replaying every size bucket from
-    a CUDA graph captured now (unless cuda_graphs is False)."""
+    a CUDA graph captured now (unless cuda_graphs is False); `headroom`: Runtime's."""
     engine = engine or Runtime
     model_dir = Path(model_dir)
     manifest = package.read(model_dir)
@@ -43,7 +47,7 @@ def load_package(
     graph_node = package.node(manifest, "graph")
     path = str(model_dir / graph_node["file"])
     if manifest["device"] != "cuda":
-        return engine(load_graph(path), task, "cpu")
+        return engine(load_graph(path), task, "cpu", headroom=headroom)
     device = worker_device(gpu_id)
     built = manifest["versions"]
     if list(torch.cuda.get_device_capability(device)) != built["capability"]:
@@ -51,11 +55,16 @@ def load_package(
             f"package was built for GPU capability {built['capability']} ({built['gpu']}), "
             f"this GPU is {torch.cuda.get_device_name(device)}: rebuild it on this GPU type"
         )
-    return serving_engine(path, task, device, cuda_graphs, engine)
+    return serving_engine(path, task, device, cuda_graphs, engine, headroom)
 
 
 def serving_engine(
-    path: str, task: Task, device: torch.device, cuda_graphs: bool, engine: type[Runtime] | None = None
+    path: str,
+    task: Task,
+    device: torch.device,
+    cuda_graphs: bool,
+    engine: type[Runtime] | None = None,
+    headroom: float = 0.0,
 ) -> Runtime:
     """A CUDA package's engine on `device`: with cuda_graphs, every bucket of the task's bounds
     captured now, in the engine's request context."""
@@ -65,8 +74,8 @@ def serving_engine(
     graph = load_graph(path, run_single_threaded=cuda_graphs, device_index=device.index)
     log.info("graph package loaded on %s in %.1f s", device, time.perf_counter() - start)
     if not cuda_graphs:
-        return engine(graph, task, device)
-    served = engine(graph, task, device)
+        return engine(graph, task, device, headroom=headroom)
+    served = engine(graph, task, device, headroom=headroom)
     served.context.replay = replay = CudaGraphs(graph, task, device, served.constants)
     replay.capture(served.context.stream)
     return served

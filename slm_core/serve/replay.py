@@ -161,6 +161,13 @@ class CudaGraphs:
         self.capture_s = time.perf_counter() - start
         return len(self.graphs)
 
+    def recapture(self, constants: tuple[torch.Tensor, ...], stream: torch.cuda.Stream) -> int:
+        """Every bucket captured again, reading `constants` (a task's new data, in new buffers):
+        the graphs reading the old ones are dropped first, so their memory in the pool is reused."""
+        self.graphs.clear()
+        self.constants = constants
+        return self.capture(stream)
+
     def _capture(self, n: int, t: int, stream: torch.cuda.Stream):
         """Capture on `stream`, after a first run there outside the capture (lazy initialisation),
         then replay once: a graph that faults on replay does so at load, not on a request.

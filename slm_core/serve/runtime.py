@@ -3,6 +3,10 @@ preallocated at load.
 
     results = engine.run([value, ...])   # up to max_batch request values, one graph call
     answer = engine.run_one(value)       # one request; its InputError raised
+    engine.swap(task.with_data(path, version))   # another version of the task's data, from the next call
+
+A task is immutable: a swap replaces it between two calls, and a call runs, and answers, wholly
+with one task.
 """
 
 import contextlib
@@ -31,6 +35,7 @@ class CallStats:
     graph_ms: float
     batch: int = 1
     call: int = 0
+    data_version: str = ""  # the version of the task's data that answered (Task.data_version)
 
 
 @dataclass(frozen=True)
@@ -73,13 +78,16 @@ class Context:
 
 class Runtime:
     """Runs one task's graph, eager (an nn.Module) or compiled (an AOTInductor package with the
-    same signature). Calls take the engine's request context in turn."""
+    same signature). Calls take the engine's request context in turn. `headroom`: room in the
+    graph constants' buffers for data swapped in later (swap), as a share of each size."""
 
-    def __init__(self, graph: Callable, task: Task, device: "torch.device | str", replay=None):
+    def __init__(self, graph: Callable, task: Task, device: "torch.device | str", replay=None, headroom: float = 0.0):
         self.graph = graph
         self.task = task
         self.device = torch.device(device)
-        self.constants = tuple(c.to(self.device) for c in task.graph_constants())  # after the call's inputs
+        # after the call's inputs; `headroom` (a share of each size) lets later data be swapped in place
+        self.headroom = headroom
+        self.constants = tuple(c.to(self.device) for c in task.graph_constants(self._capacity(task)))
         self.context = Context(task, self.device, replay)
         self._lock = threading.Lock()
         self._calls = itertools.count(1)
@@ -99,14 +107,16 @@ class Runtime:
         """Up to max_batch request values in one graph call, packed one after another. Per value,
         in order, its Result; a refused one does not hold back the others. `encoded`: the values
         as Task.encode gives them, where the caller has them already."""
-        if len(values) > self.task.max_batch:
-            raise ValueError(f"{len(values)} requests exceed max_batch={self.task.max_batch}")
-        encoded = self.task.encode(values) if encoded is None else encoded
-        rows = [
-            None if isinstance(e, InputError) or not self.task.option_columns else self.task.options(v)
-            for v, e in zip(values, encoded)
-        ]  # before the lock: a catalog's exclusion is CPU work
+        task = self.task
+        if len(values) > task.max_batch:
+            raise ValueError(f"{len(values)} requests exceed max_batch={task.max_batch}")
+        encoded = task.encode(values) if encoded is None else encoded
+        rows = self._rows(task, values, encoded)  # before the lock: a catalog's exclusion is CPU work
         with self._lock:
+            if self.task is not task:  # swapped meanwhile: the call runs, and answers, with the new one
+                task = self.task
+                encoded = task.encode(values)
+                rows = self._rows(task, values, encoded)
             spans = self._pack(encoded, rows)
             members = [s for s in spans if isinstance(s, Span)]
             if not members:
@@ -118,11 +128,39 @@ class Runtime:
             Result(error=s)
             if isinstance(s, InputError)
             else Result(
-                self.task.unpack(outputs, s.first, s.count, value),
-                CallStats(s.count, s.tokens, graph_ms, len(members), call),
+                task.unpack(outputs, s.first, s.count, value),
+                CallStats(s.count, s.tokens, graph_ms, len(members), call, task.data_version),
             )
             for s, value in zip(spans, values)
         ]
+
+    def swap(self, task: Task) -> bool:
+        """Serve `task` (this one's task over another version of its data: Task.with_data) from the
+        next call on. Its graph constants are copied into the device buffers the calls, and their
+        CUDA graphs, read; data that does not fit them gets new buffers, and the CUDA graphs are
+        captured again (the calls wait for it: seconds on a GPU). Returns whether it fit."""
+        constants = task.graph_constants([len(c) for c in self.constants])  # padded to the buffers
+        fits = constants is not None and [(c.shape, c.dtype) for c in constants] == [
+            (c.shape, c.dtype) for c in self.constants
+        ]
+        if not fits:
+            constants = task.graph_constants(self._capacity(task))
+        ctx = self.context
+        pin = self.device.type == "cuda"
+        staged = [c.pin_memory() if pin else c for c in constants]  # before the lock: host work
+        with self._lock:
+            if fits:
+                with torch.cuda.stream(ctx.stream) if ctx.stream else contextlib.nullcontext():
+                    for buffer, c in zip(self.constants, staged):
+                        buffer.copy_(c, non_blocking=pin)
+                if ctx.stream is not None:  # the host copies stay alive until they are read
+                    ctx.stream.synchronize()
+            else:
+                self.constants = tuple(c.to(self.device) for c in staged)
+                if ctx.replay is not None:
+                    ctx.replay.recapture(self.constants, ctx.stream)
+            self.task = task
+        return fits
 
     def usable(self) -> bool:
         """Whether the device still runs work: after a failed call, tells a failure of that call
@@ -134,6 +172,19 @@ class Runtime:
             return torch.ones(1, device=self.device).add_(1).item() == 2.0
         except RuntimeError:  # torch.AcceleratorError is one
             return False
+
+    def _capacity(self, task: Task) -> list[int] | None:
+        """The first dimensions of the graph constants' buffers for `task`: without headroom, its
+        data's own."""
+        return task.constant_capacity(self.headroom) if self.headroom else None
+
+    @staticmethod
+    def _rows(task: Task, values: list, encoded: list) -> list:
+        """Each value's options row (Task.options), None for a refused one or a graph without options."""
+        return [
+            None if isinstance(e, InputError) or not task.option_columns else task.options(v)
+            for v, e in zip(values, encoded)
+        ]
 
     def synthetic_call(self, sequences: int, tokens: int) -> float:
         """A call of `sequences` sequences of about equal length holding `tokens` token ids 1, as

@@ -70,6 +70,7 @@ class Task(ABC):
     min_shared: ClassVar[dict[str, float]] = {}  # and the least share of items in common
     gate_requests: ClassVar[int | None] = None  # the FP8 gate's evaluation requests at most (None: every text)
     options_fields: ClassVar[tuple[str, ...]] = ()  # a request's optional fields beside `field`
+    data_version: str = ""  # the version of the data it holds (with_data); "" for a task that holds none
 
     @classmethod
     def matches(cls, spec: TaskSpec) -> bool:
@@ -165,14 +166,26 @@ class Task(ABC):
         """A request value's row of the graph's options."""
         return []
 
-    def graph_constants(self) -> list:
+    def graph_constants(self, sizes: list[int] | None = None) -> list | None:
         """Inputs the graph takes after the per-call ones, the same for every call (data the task
-        holds, such as a catalog: swapped without a recompile), as CPU tensors."""
+        holds, such as a catalog: swapped without a recompile), as CPU tensors; with `sizes`, each
+        padded to that first dimension without changing an answer, or None where they do not fit."""
         return []
 
     def constant_bounds(self) -> list[int]:
         """The largest first dimension of each graph constant that the compiled graph accepts."""
         return []
+
+    def constant_capacity(self, headroom: float) -> list[int]:
+        """First dimensions for the graph constants' device buffers: this task's data, with room
+        (`headroom`: a share of each size) for the data of a task swapped in later (with_data) to
+        be copied in place."""
+        return []
+
+    def with_data(self, path: "str | Path", version: str) -> "Task":
+        """This task over another version of its data (a file as write_data writes it): it serves
+        the same requests. SpecError for a task that holds none, or data that breaks its bounds."""
+        raise SpecError(f"a {self.kind} task holds no data that a running worker can swap")
 
     def write_data(self, package: Path) -> TaskSpec:
         """Write the data files the task holds (a catalog) into a package; returns the spec as the

@@ -9,6 +9,12 @@ catalog did not hold them (with catalog_scores "catalog" their tokens still coun
 normaliser, which is the catalog's). Ids the catalog does not hold are ignored and counted in the
 answer. A task with two stop tokens answers an item once per stop it can end on, as transformers
 does.
+
+A running worker may swap its catalog for another version within the task's bounds
+(`with_data`, slm_core.serve.catalog_watch): the task is immutable, so a swap is a new task,
+and each answer names the version that answered it (`catalog_version`; "archive": the catalog
+built into the archive). A request's ids are looked up by the task that runs its call, so a
+request is answered wholly by one catalog.
 """
 
 from dataclasses import dataclass, replace
@@ -25,12 +31,12 @@ from slm_core.spec import ModelSpec, TaskSpec
 from slm_core.tasks.base import Difference, Tensor
 from slm_core.tasks.beam import BeamRequest, BeamTask
 
+BUILT_IN = "archive"  # the version name of the catalog built into the archive
+
 
 @dataclass(frozen=True)
 class CatalogRequest(BeamRequest):
-    exclude: tuple[str, ...] = ()
-    excluded: tuple[int, ...] = ()  # the item indices of the ids the catalog holds
-    unknown: int = 0  # how many distinct ids it does not
+    exclude: tuple[str, ...] = ()  # item ids, looked up in the catalog of the call that runs it
 
 
 class CatalogTask(BeamTask):
@@ -38,8 +44,9 @@ class CatalogTask(BeamTask):
     answer = ("candidates",)
     options_fields = ("beam_width", "new_tokens", "top", "exclude")
 
-    def __init__(self, spec: TaskSpec, tokenizer: Tokenizer):
+    def __init__(self, spec: TaskSpec, tokenizer: Tokenizer, version: str = BUILT_IN):
         super().__init__(spec, tokenizer)
+        self.data_version = version
         path = Path(spec.catalog)
         if path.suffix == ".safetensors":  # a package's, built already
             self.catalog = ItemTrie.load(path)
@@ -69,6 +76,11 @@ class CatalogTask(BeamTask):
     def matches(cls, spec) -> bool:
         return spec.task == cls.kind and spec.catalog is not None
 
+    def with_data(self, path: "str | Path", version: str) -> "CatalogTask":
+        """This task over another catalog (a trie file written by ItemTrie.save), named `version`;
+        SpecError where it breaks the task's bounds, new_tokens or stop tokens."""
+        return CatalogTask(replace(self.spec, catalog=str(path)), self.tokenizer.tokenizer, version)
+
     # --- a request's settings --------------------------------------------------------------------
     def settings(self, payload: dict) -> CatalogRequest:
         base = super().settings(payload)
@@ -86,9 +98,7 @@ class CatalogTask(BeamTask):
             raise InputError(
                 f"'exclude' holds {len(exclude)} ids, over max_exclude={bound}", bound="max_exclude", limit=bound
             )
-        ids = tuple(map(str, exclude))
-        excluded, unknown = self.catalog.lookup(list(ids))  # here, before the call: outside the engine's lock
-        return CatalogRequest(base.prompt, base.beam_width, base.new_tokens, base.top, ids, tuple(excluded), unknown)
+        return CatalogRequest(base.prompt, base.beam_width, base.new_tokens, base.top, tuple(map(str, exclude)))
 
     def value(self, value: Any) -> CatalogRequest:
         if isinstance(value, CatalogRequest):
@@ -102,18 +112,24 @@ class CatalogTask(BeamTask):
         return 2 + 2 * self.new_tokens * self.spec.max_exclude
 
     def options(self, value: Any) -> list[int]:
-        """Beam width, new tokens, then the exclusion as slm_core.item_trie.ItemTrie.exclusion gives it."""
+        """Beam width, new tokens, then the exclusion as slm_core.item_trie.ItemTrie.exclusion gives it
+        (CPU work: the runtime asks for it before its lock)."""
         value = self.value(value)
         row = super().options(value)
-        killed, stopped = self.catalog.exclusion(list(value.excluded), row[1], self.spec.max_exclude)
+        excluded, _ = self.catalog.lookup(list(value.exclude))
+        killed, stopped = self.catalog.exclusion(excluded, row[1], self.spec.max_exclude)
         return row + killed.ravel().tolist() + stopped.ravel().tolist()
 
     def write_data(self, package: Path) -> TaskSpec:
         self.catalog.save(package / CATALOG)
         return replace(self.spec, catalog=CATALOG)
 
-    def graph_constants(self) -> list[torch.Tensor]:
-        return [torch.from_numpy(a) for a in self.catalog.graph_arrays()]
+    def graph_constants(self, sizes: list[int] | None = None) -> list[torch.Tensor] | None:
+        arrays = self.catalog.graph_arrays(sizes)
+        return None if arrays is None else [torch.from_numpy(a) for a in arrays]
+
+    def constant_capacity(self, headroom: float) -> list[int]:
+        return self.catalog.capacity(headroom, self.constant_bounds())
 
     def constant_bounds(self) -> list[int]:
         vocab, nodes = self.tokenizer.tokenizer.get_vocab_size(with_added_tokens=True), self.spec.max_trie_nodes
@@ -138,7 +154,8 @@ class CatalogTask(BeamTask):
         ]
         answer: dict[str, Any] = {"candidates": candidates}
         if value.exclude:
-            answer["unknown_exclude"] = value.unknown
+            answer["unknown_exclude"] = self.catalog.lookup(list(value.exclude))[1]
+        answer["catalog_version"] = self.data_version
         return answer
 
     def body(self, answer: dict[str, Any]) -> dict:
@@ -154,6 +171,7 @@ class CatalogTask(BeamTask):
             Tensor("id", "BYTES", (-1,), "candidates", "id"),
             *super().v2_outputs(),
             Tensor("unknown_exclude", "INT64", (1,), optional=True),
+            Tensor("catalog_version", "BYTES", (1,)),
         ]
 
     def outputs(self) -> list[str]:

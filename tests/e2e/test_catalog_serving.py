@@ -1,11 +1,15 @@
 """Generative retrieval end to end through a real TorchServe (CPU, fp32, the random Qwen3): a beam
-task with a catalog of token-id items, built once with the archiver CLI. Its REST answers are the
-engine's bytes, with per-request beam_width/new_tokens/top/exclude; `slm-archiver catalog` writes
-version 2.0 with another catalog in seconds; TorchServe switches the model from 1.0 to 2.0 under
-traffic without failing a request; bad settings get their 400."""
+task with a catalog of token-id items, built once with the archiver CLI, following a catalog store.
+Its REST answers are the engine's bytes, with per-request beam_width/new_tokens/top/exclude;
+`slm-archiver catalog` writes version 2.0 with another catalog in seconds; TorchServe switches the
+model from 1.0 to 2.0 under traffic without failing a request; bad settings get their 400; a
+catalog published into the store replaces the served one in place under traffic, each answer
+wholly of one catalog and naming it, a bad catalog is refused naming its line, and a rollback
+returns to the one before."""
 
 import json
 import random
+import re
 import threading
 import time
 import zipfile
@@ -16,6 +20,7 @@ from helpers import write_catalog
 
 from handlers.local_server import TorchServe, http
 from slm_core import Engine
+from slm_core.catalog_store import ARCHIVE, CatalogStore
 from slm_core.serve.protocol import Request, respond
 
 NAME = "tiny_catalog"
@@ -82,6 +87,7 @@ def built(random_checkpoint, tmp_path_factory):
     folder, _ = random_checkpoint("qwen3")
     root = tmp_path_factory.mktemp("catalog-archives")
     store = root / "store"
+    catalogs = root / "catalogs"  # the catalog store its workers follow
     write_catalog(root / "items1.jsonl", list(CATALOG1.values()), list(CATALOG1))
     write_catalog(root / "items2.jsonl", list(CATALOG2.values()), list(CATALOG2))
     (root / "task.yaml").write_text(yaml.safe_dump(TASK))
@@ -100,13 +106,15 @@ def built(random_checkpoint, tmp_path_factory):
                 str(store),
                 "--version",
                 "1.0",
+                "--catalog-store",
+                str(catalogs),
             ]
         )
         == 0
     )
     print(f"\nbuild of {NAME}.mar: {time.monotonic() - start:.0f} s")
     zipfile.ZipFile(store / f"{NAME}.mar").extractall(root / "v1")
-    return {"root": root, "store": store, "v1": root / "v1"}
+    return {"root": root, "store": store, "v1": root / "v1", "catalogs": catalogs}
 
 
 @pytest.fixture(scope="module")
@@ -406,3 +414,145 @@ def test_version_switch_under_traffic_fails_no_request(server, v1, v2):
         seen = [w for (c, *_), w in zip(results, which) if c == k]
         assert seen == sorted(seen) and seen[0] == 1 and seen[-1] == 2, seen
     assert during and len(after_delete) >= 20
+
+
+def test_a_published_catalog_is_swapped_in_place_under_traffic_and_rolled_back(server, built, v1, v2, capfd):
+    """Two clients send back to back (requests with and without exclude) to the model's one worker
+    (by now 2.0, whose own catalog is catalog 2, "archive") while catalog 1 is published into the
+    store as version c1, a bad catalog is refused, and c1 is rolled back. Every request gets its
+    200; every answer names the catalog version that answered it (X-Slm-Catalog-Version and
+    catalog_version, the same) and is that catalog's answer (its items, in the engine's order);
+    each client sees archive, then c1, then archive; the worker's gauges say what it serves."""
+    from archiver.__main__ import main
+
+    store = CatalogStore(built["catalogs"])
+    assert store.current() == ARCHIVE
+    requests = [{"prompt": p} for p in PROMPTS] + [{"prompt": PROMPTS[0], "exclude": ["item-1", "new-0", "nope"]}]
+    expected = {  # version -> request index -> the engine's items
+        ARCHIVE: [ranked(engine_bytes(v2, r)) for r in requests],
+        "c1": [ranked(engine_bytes(v1, r)) for r in requests],
+    }
+    assert all(a != b for a, b in zip(*expected.values()))  # every answer tells its catalog
+    results: list[tuple[int, float, int, int, str, bytes]] = []  # (client, done, request, status, header, body)
+    workers: set[str] = set()  # the pids that answered (X-Slm-Worker)
+    lock, stop = threading.Lock(), threading.Event()
+
+    def client(k: int) -> None:
+        n = k
+        while not stop.is_set():
+            headers: dict = {}
+            try:
+                status, answer = http(
+                    "POST",
+                    f"{server.inference}/predictions/{NAME}",
+                    body(requests[n % len(requests)]),
+                    {"Content-Type": "application/json"},
+                    timeout=30,
+                    response_headers=headers,
+                )
+            except OSError as e:
+                status, answer = 0, repr(e).encode()
+            with lock:
+                results.append(
+                    (k, time.monotonic(), n % len(requests), status, headers.get("x-slm-catalog-version", ""), answer)
+                )
+                workers.add(headers.get("x-slm-worker", ""))
+            n += 1
+            time.sleep(0.01)
+
+    def served_since(when: float, version: str, limit: float = 30) -> float:
+        """When the first answer of `version` arrived after `when`, waiting for one."""
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            with lock:
+                done = [d for _, d, _, s, v, _ in results if d > when and v == version]
+            if done:
+                return done[0]
+            time.sleep(0.02)
+        raise AssertionError(f"no answer of catalog version {version} within {limit} s")
+
+    def cli(*args: str) -> int:
+        return main(list(args))
+
+    threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in (0, 1)]
+    for thread in threads:
+        thread.start()
+    t: dict[str, float] = {}
+    try:
+        served_since(0, ARCHIVE)
+        t["publish"] = time.monotonic()
+        archive = str(built["store"] / V2_MAR)
+        assert (
+            cli(
+                "publish",
+                "--archive",
+                archive,
+                "--catalog",
+                str(built["root"] / "items1.jsonl"),
+                "--store",
+                str(built["catalogs"]),
+                "--version",
+                "c1",
+            )
+            == 0
+        )
+        t["published"] = time.monotonic()
+        t["c1"] = served_since(t["publish"], "c1")
+        # a bad catalog: refused with its line; the store and the served catalog stay as they were
+        bad = built["root"] / "bad.jsonl"
+        bad.write_text('{"id": "a", "tokens": [10]}\n{"id": "b", "tokens": [11]}\n{"id": "a", "tokens": [12]}\n')
+        capfd.readouterr()
+        assert (
+            cli(
+                "publish",
+                "--archive",
+                archive,
+                "--catalog",
+                str(bad),
+                "--store",
+                str(built["catalogs"]),
+                "--version",
+                "bad",
+            )
+            == 2
+        )
+        assert "line 3: id 'a' is also on line 1" in capfd.readouterr().err
+        assert store.versions() == ["c1"] and store.current() == "c1"
+        time.sleep(1.5)  # more than a poll: still c1
+        t["rollback"] = time.monotonic()
+        assert cli("rollback", "--store", str(built["catalogs"])) == 0
+        t["archive"] = served_since(t["rollback"], ARCHIVE)
+        time.sleep(0.5)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+    assert store.current() == ARCHIVE
+    failed = [(status, answer[:200]) for *_, status, _, answer in results if status != 200]
+    assert failed == [], failed
+    for k, _, i, _, version, answer in results:
+        assert json.loads(answer)["catalog_version"] == version, (version, answer[:200])
+        assert ranked(answer) == expected[version][i], (k, version, i)
+    for k in (0, 1):  # each client: archive, then c1, then archive again
+        seen = [version for c, _, _, _, version, _ in results if c == k]
+        runs = [v for j, v in enumerate(seen) if j == 0 or seen[j - 1] != v]
+        assert runs == [ARCHIVE, "c1", ARCHIVE], runs
+    print(
+        f"\ncatalog hot swap under traffic: {len(results)} requests from 2 clients, 0 failed; "
+        f"publish (check + build + activate) {(t['published'] - t['publish']) * 1e3:.0f} ms, first c1 answer "
+        f"{(t['c1'] - t['published']) * 1e3:.0f} ms after it; first answer after the rollback "
+        f"{(t['archive'] - t['rollback']) * 1e3:.0f} ms after it"
+    )
+    # what the worker serves, on TorchServe's Prometheus endpoint (the workers of earlier tests,
+    # gone, keep their series)
+    (worker,) = workers
+    text = http("GET", f"{server.metrics}/metrics")[1].decode()
+    gauges = {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(
+            rf'^SlmCatalogVersion\{{[^}}]*Version="([^"]+)"[^}}]*Worker="{worker}"[^}}]*\}} (\S+)$', text, re.M
+        )
+    }
+    assert gauges == {ARCHIVE: 1, "c1": 0}, gauges
+    (swapped,) = re.findall(rf'^SlmCatalogSwapTime\{{[^}}]*Worker="{worker}"[^}}]*\}} (\S+)$', text, re.M)
+    assert t["rollback"] - 5 < float(swapped) - time.time() + time.monotonic() < t["archive"] + 5
