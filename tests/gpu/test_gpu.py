@@ -523,3 +523,24 @@ def test_cuda_catalog_beam_triton_and_export(random_checkpoint, tmp_path):
     for eager in (tri, other):  # the compiled graph with each catalog, judged as the build judges it
         check = check_compiled(eager, Engine(compiled, eager.task, "cuda"))
         print(f"compiled catalog graph against eager, {eager.task.catalog.size} items: {check}")
+    # a worker following a catalog store: CUDA graphs replayed, the catalog swapped in place (a
+    # catalog within its buffers' headroom) or into new buffers with the graphs captured again
+    from slm_core.serve.catalog_watch import HEADROOM
+    from slm_core.serve.loader import serving_engine
+
+    served = serving_engine(package, tri.task, torch.device("cuda"), True, Engine, headroom=HEADROOM)
+    graphs = len(served.context.replay.graphs)
+    items3 = items[:380] + sorted(set(items2) - set(items))[::25][:20]  # 20 new ones, spread over the trie
+    write_catalog(tmp_path / "c3.jsonl", [list(i) for i in items3])
+    near = engine_for(ckpt, "cuda", **{**task, "catalog": str(tmp_path / "c3.jsonl")})
+    for eager, version, in_place in ((near, "near", True), (other, "other", False), (tri, "first", True)):
+        eager.task.catalog.save(tmp_path / f"{version}.safetensors")
+        assert served.swap(served.task.with_data(tmp_path / f"{version}.safetensors", version)) is in_place
+        assert len(served.context.replay.graphs) == graphs
+        check = check_compiled(eager, served)
+        answer = served.run_one(served.task.request({"prompt": "a small language model"}))
+        assert answer["catalog_version"] == version
+        assert {c["id"] for c in answer["candidates"]} <= {
+            eager.task.catalog.item_id(i) for i in range(eager.task.catalog.size)
+        }
+        print(f"CUDA graphs, catalog {version} swapped {'in place' if in_place else 'into new buffers'}: {check}")
