@@ -25,7 +25,7 @@
 # Optional: $VARIANTS, $SLM (below), $SYSTEMS (slm,hf: SYSTEMS=slm leaves the peer out), PROFILE=0, CHECK=0, KERNELS=0,
 # KERNELS_ONLY=TEXT (the kernel bench's cases whose name holds TEXT), STEP_BENCH=1 (bench.step_bench
 # first in the check slot, beside the build),
-# BENCH=0, CATALOG_SWAP=1 (the catalogswap step after the build; SWAPS, CAPACITY), LOADTIME=1 (the loadtime step after the profiles), CPU_PATH=1 (first, the host quiet: bench.cpu_path
+# CHECK_ONLY=EXPR (the check step's pytest -k), BENCH=0, CATALOG_SWAP=1 (the catalogswap step after the build; SWAPS, CAPACITY), LOADTIME=1 (the loadtime step after the profiles), CPU_PATH=1 (first, the host quiet: bench.cpu_path
 # per tokenizer thread pool size, $CPU_PATH_THREADS, default "1 2 4 16"),
 # RELIABILITY=1 (the reliability step after the bench; SOAK=600 adds the soak; DEADLINE=80: every
 # overload request carries that deadline; STEPS=fuzz,overload,kill,gpu-fault adds kill -9 of a worker
@@ -75,7 +75,7 @@ build)
     python3 -m bench.run "${ARGS[@]}" --jobs 6 --build-only --slm "$VARIANTS" --workloads "$WORKLOADS"
     wait ;;
 check)
-    python3 -m pytest -q -s tests/gpu -p no:cacheprovider -k "bf16 or export or triton_attention or two_gpus" ;;
+    python3 -m pytest -q -s tests/gpu -p no:cacheprovider -k "${CHECK_ONLY:-bf16 or export or triton_attention or two_gpus}" ;;
 check-full)
     python3 -m pytest -q -s tests/gpu -p no:cacheprovider ;;
 kernels)
@@ -167,9 +167,10 @@ all)
     [ "${CPU_PATH:-0}" = 1 ] && bash "$0" cpupath > "$OUT/cpu_path_threads.txt" 2>&1  # first: the host quiet
     mps "${MPS:-1}"
     bash "$0" build > "$OUT/build.log" 2>&1 &
-    { [ "${STEP_BENCH:-0}" = 0 ] || bash "$0" stepbench > "$OUT/step_bench.log" 2>&1
-      [ "${CHECK:-1}" = 0 ] || bash "$0" check > "$OUT/check.log" 2>&1
-      [ "${KERNELS:-1}" = 0 ] || bash "$0" kernels > "$OUT/kernels.log" 2>&1; } &
+    # the timings first, before the builds reach their GPU checks
+    { [ "${KERNELS:-1}" = 0 ] || bash "$0" kernels > "$OUT/kernels.log" 2>&1
+      [ "${STEP_BENCH:-0}" = 0 ] || bash "$0" stepbench > "$OUT/step_bench.log" 2>&1
+      [ "${CHECK:-1}" = 0 ] || bash "$0" check > "$OUT/check.log" 2>&1; } &
     wait
     [ "${CATALOG:-0}" = 1 ] && bash "$0" catalog > "$OUT/catalog.log" 2>&1
     [ "${CATALOG_SWAP:-0}" = 1 ] && bash "$0" catalogswap > "$OUT/catalog_swap.log" 2>&1
@@ -194,7 +195,7 @@ start)
         FAULT_SECONDS=${FAULT_SECONDS:-} DEADLINE=${DEADLINE:-} \
         MPS=${MPS:-1} NOMPS_SLM=${NOMPS_SLM:-} CATALOG=${CATALOG:-0} CATALOG_SWAP=${CATALOG_SWAP:-0} SWAPS=${SWAPS:-3} CAPACITY=${CAPACITY:-413} LOADTIME=${LOADTIME:-0} PROFILE_GRAPHS="${PROFILE_GRAPHS:-on off}" \
         PROFILE_BEAM=${PROFILE_BEAM:-W2,W3} KERNELS_ONLY="${KERNELS_ONLY:-}" CPU_PATH=${CPU_PATH:-0} CPU_PATH_THREADS="${CPU_PATH_THREADS:-1 2 4 16}" \
-        STEP_BENCH=${STEP_BENCH:-0} \
+        STEP_BENCH=${STEP_BENCH:-0} CHECK_ONLY="${CHECK_ONLY:-}" \
         setsid nohup bash "$WORK/pipeline.sh" all > "$WORK/pipeline.log" 2>&1 < /dev/null &
     sleep 5
     bash "$0" follow ;;
