@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""KServe's REST endpoints in front of one replica's TorchServe (deploy/serve.sh, KSERVE_GATEWAY=1).
+"""KServe's REST and gRPC endpoints in front of one replica's TorchServe (deploy/serve.sh, KSERVE_GATEWAY=1).
 
 TorchServe 0.12 passes KServe's inference calls to the handler, which reads KServe v1 and Open
 Inference Protocol v2 bodies, but it answers 404 to the readiness and metadata endpoints that
@@ -9,11 +9,20 @@ KServe's TorchServe runtime and TorchServe's service_envelope=kserve/kservev2 ar
 archives are built on the serving GPU at first start, and the envelopes are batch-unsafe (they
 fail on this handler's batches).
 
+It also serves the Open Inference Protocol over gRPC (`inference.GRPCInferenceService`, as
+KServe's and Triton's gRPC clients call it): each ModelInfer is one REST request to TorchServe
+(its tensors as Triton's binary extension), so each gets its own status, whatever it shares a
+batch with: 400 -> INVALID_ARGUMENT, 503 (a full queue) -> RESOURCE_EXHAUSTED, 504 (a deadline)
+-> DEADLINE_EXCEEDED, 404 -> NOT_FOUND, 500 -> INTERNAL. A call's gRPC deadline becomes its
+X-Slm-Deadline-Ms, and the answer's X-Slm-* headers come back as trailing metadata. TorchServe's
+own gRPC API cannot do this: it gives a request in a batch with others no status of its own.
+
     python3 deploy/kserve_gateway.py
 
-Settings (environment, defaults in brackets): GATEWAY_ADDRESS [0.0.0.0:8080], INFERENCE
-[http://127.0.0.1:8085: TorchServe's inference address behind it], MANAGEMENT
-[http://127.0.0.1:8081]. It measures nothing: TorchServe's metrics count every request it passes.
+Settings (environment, defaults in brackets): GATEWAY_ADDRESS [0.0.0.0:8080], GRPC_ADDRESS
+[0.0.0.0:8090; empty: no gRPC], INFERENCE [http://127.0.0.1:8085: TorchServe's inference address
+behind it], MANAGEMENT [http://127.0.0.1:8081]. It measures nothing: TorchServe's metrics count
+every request it passes.
 """
 
 import asyncio
@@ -53,6 +62,10 @@ def reply(status: int, body: dict) -> web.Response:
 
 def error(status: int, message: str, **extra: Any) -> web.Response:
     return reply(status, {**extra, "error": message[:500]})
+
+
+def error_body(message: str) -> bytes:
+    return json.dumps({"error": message[:500]}).encode()
 
 
 def end_to_end(headers) -> CIMultiDict:
@@ -164,29 +177,51 @@ class Gateway:
         reasons = [why for _, why in found if why] or ([] if names else ["no model registered"])
         return error(503, "; ".join(reasons), ready=False) if reasons else reply(200, {"ready": True})
 
-    async def v2_metadata(self, request: web.Request) -> web.Response:
-        """The tensors come from the handler's description (describe-model ?customized=true, which
-        TorchServe nests as an object), under its "kserve" key; kept per version. A worker answers
-        it, after the requests queued for the model."""
-        name, version = request.match_info["name"], request.match_info.get("version")
+    async def model_metadata(self, name: str, version: "str | None") -> tuple[int, Any]:
+        """(200, v2 model metadata) or (404, why). The tensors come from the handler's description
+        (describe-model ?customized=true, which TorchServe nests as an object), under its "kserve"
+        key; kept per version. A worker answers it, after the requests queued for the model."""
         status, described = await self.describe(name, version)
         if status != 200:
-            return error(status, described)
+            return status, described
         _, versions = await self.manage(path("models", name, "all"), STATE_S)
         _, [custom] = await self.manage(
             path("models", name, described["modelVersion"]) + "?customized=true", METADATA_S, timeout=10.0
         )
         tensors = (custom.get("customizedMetadata") or {}).get("kserve") or {}
-        return reply(
-            200,
-            {
-                "name": name,
-                "versions": [v["modelVersion"] for v in versions],
-                "platform": "slm-serve",
-                "inputs": tensors.get("inputs", []),
-                "outputs": tensors.get("outputs", []),
-            },
-        )
+        return 200, {
+            "name": name,
+            "versions": [v["modelVersion"] for v in versions],
+            "platform": "slm-serve",
+            "inputs": tensors.get("inputs", []),
+            "outputs": tensors.get("outputs", []),
+        }
+
+    async def v2_metadata(self, request: web.Request) -> web.Response:
+        status, body = await self.model_metadata(request.match_info["name"], request.match_info.get("version"))
+        return reply(200, body) if status == 200 else error(status, body)
+
+    async def forward(
+        self, method: str, target: str, body: "bytes | None", headers, timeout: "float | None" = None
+    ) -> tuple[int, "str | None", bytes, Any]:
+        """(status, reason, body, headers) of TorchServe's answer to `target`; the gateway's own
+        KServe error (502; 504 past READ_S or `timeout` s) when TorchServe does not answer."""
+        try:
+            async with self.session.request(
+                method,
+                URL(self.inference + target, encoded=True),
+                data=body,
+                headers=headers,
+                allow_redirects=False,
+                timeout=aiohttp.ClientTimeout(total=timeout, sock_connect=2, sock_read=READ_S),
+            ) as r:
+                return r.status, r.reason, await r.read(), r.headers
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:  # not listening
+            return 502, None, error_body(f"TorchServe at {self.inference}: {e!r}"), {}
+        except TimeoutError:
+            return 504, None, error_body(f"TorchServe at {self.inference} did not answer in time"), {}
+        except aiohttp.ClientError as e:
+            return 502, None, error_body(f"TorchServe at {self.inference}: {e!r}"), {}
 
     async def proxy(self, request: web.Request) -> web.Response:
         """To TorchServe's inference address: KServe's inference paths become /predictions/NAME[/V]
@@ -206,28 +241,16 @@ class Gateway:
             return error(413, f"a request body is at most {MAX_BODY} bytes")
         except TimeoutError:  # shorter than its Content-Length, or a client that stalls
             return error(408, f"the request body did not arrive within {BODY_S:g} s")
-        try:
-            async with self.session.request(
-                request.method,
-                URL(self.inference + target, encoded=True),
-                data=body or None,
-                headers=end_to_end(request.headers),
-                allow_redirects=False,
-            ) as r:
-                answer = await r.read()
-                if "name" in request.match_info and r.status >= 400:
-                    refusal = torchserve_refusal(answer)
-                    if refusal is not None:  # TorchServe's own (an unknown model, a full queue): KServe's shape
-                        return error(r.status, refusal)
-                return web.Response(
-                    status=r.status, reason=r.reason or None, body=answer, headers=end_to_end(r.headers)
-                )
-        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:  # not listening
-            return error(502, f"TorchServe at {self.inference}: {e!r}")
-        except TimeoutError:
-            return error(504, f"TorchServe at {self.inference} did not answer in {READ_S:g} s")
-        except aiohttp.ClientError as e:
-            return error(502, f"TorchServe at {self.inference}: {e!r}")
+        status, reason, answer, headers = await self.forward(
+            request.method, target, body or None, end_to_end(request.headers)
+        )
+        if "name" in request.match_info and status >= 400:
+            refusal = torchserve_refusal(answer)
+            if refusal is not None:  # TorchServe's own (an unknown model, a full queue): KServe's shape
+                return error(status, refusal)
+        if not headers:  # the gateway's own error
+            return reply(status, json.loads(answer))
+        return web.Response(status=status, reason=reason or None, body=answer, headers=end_to_end(headers))
 
 
 def torchserve_refusal(body: bytes) -> "str | None":
@@ -268,15 +291,25 @@ def constant(body: dict):
     return answer
 
 
-def make_app(inference: str, management: str) -> web.Application:
-    gateway = Gateway(inference, management)
+def server_version() -> str:
     try:
-        version = metadata.version("slm-serve")
+        return metadata.version("slm-serve")
     except metadata.PackageNotFoundError:
-        version = "unknown"
+        return "unknown"
+
+
+def make_app(inference: str, management: str, grpc_address: str = "") -> web.Application:
+    """The REST routes, and with `grpc_address` the Open Inference Protocol's gRPC service beside
+    them (deploy/kserve_grpc.py)."""
+    gateway = Gateway(inference, management)
+    version = server_version()
     name, ver = "{name:[^/:]+}", "{version:[^/]+}"
     app = web.Application(client_max_size=MAX_BODY, middlewares=[json_errors])
     app.cleanup_ctx.append(gateway.connect)
+    if grpc_address:
+        from kserve_grpc import serving  # generates the protocol's stubs: only where gRPC is served
+
+        app.cleanup_ctx.append(serving(gateway, grpc_address))
     app.add_routes(
         [
             web.get("/", constant({"status": "alive"})),
@@ -303,13 +336,16 @@ def main() -> None:
     host, port = os.environ.get("GATEWAY_ADDRESS", "0.0.0.0:8080").rsplit(":", 1)
     inference = os.environ.get("INFERENCE", "http://127.0.0.1:8085")
     management = os.environ.get("MANAGEMENT", "http://127.0.0.1:8081")
+    grpc_address = os.environ.get("GRPC_ADDRESS", "0.0.0.0:8090")
     print(
-        f"kserve_gateway: on {host}:{port}, TorchServe's inference at {inference}, management at {management}",
+        f"kserve_gateway: on {host}:{port}"
+        + (f", gRPC on {grpc_address}" if grpc_address else "")
+        + f", TorchServe's inference at {inference}, management at {management}",
         flush=True,
     )
     # auto_decompress off: a compressed body reaches TorchServe as the client sent it
     web.run_app(
-        make_app(inference, management),
+        make_app(inference, management, grpc_address),
         host=host,
         port=int(port),
         shutdown_timeout=5,

@@ -1,7 +1,8 @@
 """KServe's clients against a replica as deploy/kserve.yaml runs it: deploy/serve.sh with
 KSERVE_GATEWAY=1 and deploy/config.properties, a real TorchServe (CPU) behind the gateway, the
-tiny score and beam archives. The kserve SDK's REST client (v1, v2) and tritonclient (JSON and
-binary tensors) get the answers /predictions gives for the same requests."""
+tiny score and beam archives. The kserve SDK's REST client (v1, v2), tritonclient (JSON and binary
+tensors) and KServe's gRPC stubs get the answers /predictions gives for the same requests; over
+the gateway's gRPC, a bad request among good ones sent at once gets its own error status."""
 
 import asyncio
 import contextlib
@@ -26,7 +27,8 @@ TEXTS = ["cheap flights to rome", "iphone case", "rome"]
 
 @pytest.fixture(scope="module")
 def replica(archives, tmp_path_factory):
-    """(gateway URL, TorchServe's inference URL) of serve.sh serving tiny_score and tiny_beam."""
+    """(gateway URL, TorchServe's inference URL, the gateway's gRPC address) of serve.sh serving
+    tiny_score and tiny_beam."""
     root = tmp_path_factory.mktemp("kserve")
     (root / "tasks").mkdir()
     for name, task in (("tiny_score", SCORE_TASK), ("tiny_beam", BEAM_TASK)):
@@ -34,7 +36,7 @@ def replica(archives, tmp_path_factory):
     (root / "store").mkdir()
     for name in ("tiny_score", "tiny_beam"):  # only these: other tests add archives to the shared store
         shutil.copy(archives["store"] / f"{name}.mar", root / "store")
-    gateway, inference, management, metrics, grpc_i, grpc_m, workers = free_ports(7)
+    gateway, inference, management, metrics, grpc_i, grpc_m, workers, grpc_v2 = free_ports(8)
     config = {
         **CONFIG,
         "inference_address": "http://0.0.0.0:1",  # serve.sh moves it (TS_INFERENCE_ADDRESS)
@@ -54,6 +56,7 @@ def replica(archives, tmp_path_factory):
         "TS_CONFIG": str(root / "ts.properties"),
         "TS_INFERENCE_ADDRESS": f"http://127.0.0.1:{inference}",
         "GATEWAY_ADDRESS": f"127.0.0.1:{gateway}",
+        "GRPC_ADDRESS": f"127.0.0.1:{grpc_v2}",
         "MANAGEMENT": f"http://127.0.0.1:{management}",
         "DRAIN_FILE": str(root / "run" / "draining"),
         "TMPDIR": str(root / "run" / "tmp"),
@@ -74,7 +77,7 @@ def replica(archives, tmp_path_factory):
                 if http("GET", f"{base}/v2/health/ready", timeout=2)[0] == 200:
                     break
             time.sleep(0.5)
-        yield base, f"http://127.0.0.1:{inference}"
+        yield base, f"http://127.0.0.1:{inference}", f"127.0.0.1:{grpc_v2}"
     finally:
         stop_replica(proc, timeout=60)
         log.close()
@@ -101,7 +104,7 @@ def native(base: str, model: str, body: dict) -> dict:
 def test_kserve_sdk_v1_and_v2(replica):
     from kserve import InferenceRESTClient, InferInput, InferRequest, RESTConfig
 
-    base, straight = replica
+    base, straight, _ = replica
     scores = [native(straight, "tiny_score", {"texts": [t]})["scores"][0] for t in TEXTS]
     # TorchServe itself hands KServe's inference routes to the worker, as /predictions
     v1_body = json.dumps({"instances": [{"texts": [t]} for t in TEXTS]}).encode()
@@ -138,7 +141,7 @@ def test_tritonclient_metadata_binary_tensors_and_errors(replica):
     import tritonclient.http as triton
     from tritonclient.utils import InferenceServerException
 
-    base, straight = replica
+    base, straight, _ = replica
     client = triton.InferenceServerClient(base.removeprefix("http://"), network_timeout=60)
     assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("tiny_beam")
     meta = client.get_model_metadata("tiny_beam")
@@ -166,3 +169,81 @@ def test_tritonclient_metadata_binary_tensors_and_errors(replica):
     with pytest.raises(InferenceServerException, match="'top' must be an integer from 1 to 4"):
         client.infer("tiny_beam", [prompt, bad])
     client.close()
+
+
+@pytest.mark.slow
+def test_grpc_open_inference_gives_each_request_its_own_status(replica):
+    """The gateway's Open Inference Protocol over gRPC, called with KServe's own gRPC stubs: its
+    health, metadata and ModelInfer answer as /predictions does (typed contents and raw
+    contents); bursts of score requests sent at once, one of them bad, share TorchServe's batches
+    (x-slm-batch > 1 in the good ones' trailing metadata) and the bad one gets INVALID_ARGUMENT
+    with the handler's message every time, the good ones OK with their own answers; a call whose
+    deadline its call would miss gets DEADLINE_EXCEEDED with the handler's reason; an unknown
+    model NOT_FOUND."""
+    import grpc
+    from kserve.protocol.grpc import grpc_predict_v2_pb2 as pb
+    from kserve.protocol.grpc.grpc_predict_v2_pb2_grpc import GRPCInferenceServiceStub
+
+    _, straight, address = replica
+    channel = grpc.insecure_channel(address)
+    stub = GRPCInferenceServiceStub(channel)
+    assert stub.ServerLive(pb.ServerLiveRequest()).live and stub.ServerReady(pb.ServerReadyRequest()).ready
+    assert stub.ModelReady(pb.ModelReadyRequest(name="tiny_score")).ready
+    meta = stub.ModelMetadata(pb.ModelMetadataRequest(name="tiny_beam"))
+    assert [(t.name, t.datatype, list(t.shape)) for t in meta.inputs][0] == ("prompt", "BYTES", [1])
+    want = native(straight, "tiny_beam", {"prompt": "rome", "top": 3})["candidates"]
+    for raw in (False, True):
+        request = pb.ModelInferRequest(model_name="tiny_beam", id="g-1")
+        prompt = request.inputs.add(name="prompt", datatype="BYTES", shape=[1])
+        top = request.inputs.add(name="top", datatype="INT32", shape=[1])
+        if raw:  # as Triton's binary layout: a 4-byte length, then the bytes
+            request.raw_input_contents.extend([len(b"rome").to_bytes(4, "little") + b"rome", np.int32(3).tobytes()])
+        else:
+            prompt.contents.bytes_contents.append(b"rome")
+            top.contents.int_contents.append(3)
+        answer = stub.ModelInfer(request)
+        out = {o.name: o for o in answer.outputs}
+        assert answer.id == "g-1" and answer.model_name == "tiny_beam"
+        assert [t.decode() for t in out["text"].contents.bytes_contents] == [c["text"] for c in want]
+        assert np.allclose(list(out["score"].contents.fp32_contents), [c["score"] for c in want], atol=1e-4)
+    request.ClearField("raw_input_contents")
+    request.inputs[1].contents.int_contents[:] = [99]
+    with pytest.raises(grpc.RpcError) as bad:
+        stub.ModelInfer(request)
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "'top' must be an integer from 1 to 4" in bad.value.details()
+    with pytest.raises(grpc.RpcError) as unknown:
+        stub.ModelInfer(pb.ModelInferRequest(model_name="no_such_model"))
+    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND, unknown.value.details()
+
+    def score(texts: list[str]):
+        r = pb.ModelInferRequest(model_name="tiny_score")
+        r.inputs.add(name="texts", datatype="BYTES", shape=[len(texts)]).contents.bytes_contents.extend(
+            t.encode() for t in texts
+        )
+        return r
+
+    scores = {t: native(straight, "tiny_score", {"texts": [t]})["scores"][0] for t in TEXTS}
+    sent = TEXTS * 2
+    shared, rounds = 0, 0
+    while rounds < 20 and (rounds < 3 or not shared):  # until a burst's good requests shared a call
+        rounds += 1
+        calls = [stub.ModelInfer.future(score([t])) for t in sent]
+        calls.insert(3, stub.ModelInfer.future(score([])))  # bad: no text
+        for k, call in enumerate(calls):
+            if k == 3:
+                assert call.code() == grpc.StatusCode.INVALID_ARGUMENT, call.code()
+                assert "'texts' is empty" in call.details(), call.details()
+                continue
+            assert call.code() == grpc.StatusCode.OK, (call.code(), call.details())
+            out = {o.name: o for o in call.result().outputs}
+            assert np.allclose(list(out["scores"].contents.fp32_contents), scores[sent[k - (k > 3)]], atol=1e-5)
+            shared += int(dict(call.trailing_metadata()).get("x-slm-batch", "1")) > 1
+    assert shared, f"no two requests of {rounds} bursts shared a call"
+    # a deadline its call would miss (x-slm-deadline-ms, as REST's header): the handler refuses it
+    # before the graph, and the call ends DEADLINE_EXCEEDED with its reason
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.ModelInfer(score(TEXTS), metadata=(("x-slm-deadline-ms", "1"),), timeout=30)
+    assert refused.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "not computed" in refused.value.details(), refused.value.details()
+    channel.close()

@@ -492,3 +492,58 @@ def test_kserve_and_triton_clients(stack):
     assert path == "/predictions/intent/2.0" and headers["X-Slm-Deadline-Ms"] == "80"
     assert "Inference-Header-Content-Length" in headers
     client.close()
+
+
+# --- the Open Inference Protocol over gRPC (deploy/kserve_grpc.py) -----------------------------------
+def test_grpc_infer_requests_become_binary_v2_bodies_the_handler_reads():
+    """Typed contents and raw_input_contents make the same Triton binary body, which the worker's
+    v2 reader decodes to the tensors sent; a v2 JSON answer becomes typed output contents."""
+    import kserve_grpc
+    from kserve_grpc import BadRequest, deadline_ms, infer_body, infer_response, pb
+
+    from slm_core.serve.kserve import _binary
+
+    typed = pb.ModelInferRequest(model_name="m", id="q-1")
+    typed.inputs.add(name="texts", datatype="BYTES", shape=[2]).contents.bytes_contents.extend(
+        [b"rome", b"\xc3\xa9t\xc3\xa9"]
+    )
+    typed.inputs.add(name="top", datatype="INT32", shape=[1]).contents.int_contents.append(3)
+    body, n = infer_body(typed)
+    header = json.loads(body[:n])
+    assert header["id"] == "q-1" and [i["name"] for i in header["inputs"]] == ["texts", "top"]
+    sizes = [i["parameters"]["binary_data_size"] for i in header["inputs"]]
+    blob = body[n:]
+    assert _binary(blob[: sizes[0]], "BYTES", 2, "x") == ["rome", "été"]
+    assert _binary(blob[sizes[0] :], "INT32", 1, "x") == [3]
+    raw = pb.ModelInferRequest(model_name="m", id="q-1")
+    raw.inputs.add(name="texts", datatype="BYTES", shape=[2])
+    raw.inputs.add(name="top", datatype="INT32", shape=[1])
+    raw.raw_input_contents.extend([blob[: sizes[0]], blob[sizes[0] :]])
+    assert infer_body(raw) == (body, n)
+    raw.raw_input_contents.pop()
+    with pytest.raises(BadRequest, match="raw_input_contents holds 1 tensors for 2 inputs"):
+        infer_body(raw)
+    half = pb.ModelInferRequest(model_name="m")
+    half.inputs.add(name="x", datatype="FP16", shape=[1])
+    with pytest.raises(BadRequest, match="'FP16' has no typed contents"):
+        infer_body(half)
+    out = infer_response(
+        {
+            "model_name": "m",
+            "id": "q-1",
+            "outputs": [
+                {"name": "labels", "datatype": "BYTES", "shape": [2], "data": ["yes", "no"]},
+                {"name": "scores", "datatype": "FP32", "shape": [1, 2], "data": [[0.25, 0.75]]},
+                {"name": "token_ids", "datatype": "INT64", "shape": [2], "data": [7, -1]},
+            ],
+        }
+    )
+    got = {o.name: (o.datatype, list(o.shape), o.contents) for o in out.outputs}
+    assert list(got["labels"][2].bytes_contents) == [b"yes", b"no"]
+    assert got["scores"][:2] == ("FP32", [1, 2]) and list(got["scores"][2].fp32_contents) == [0.25, 0.75]
+    assert list(got["token_ids"][2].int64_contents) == [7, -1] and out.id == "q-1"
+    # the deadline passed on: the sooner of the metadata's and the gRPC deadline's time left
+    assert deadline_ms(None, None) is None and deadline_ms("50", None) == "50"
+    assert deadline_ms(None, 2.0) == "2000" and deadline_ms("50", 2.0) == "50" and deadline_ms("5000", 2.0) == "2000"
+    assert deadline_ms("soon", 2.0) == "soon"  # for the handler's 400
+    assert deadline_ms(None, 1e9) == str(kserve_grpc.MAX_DEADLINE_MS)
