@@ -207,6 +207,7 @@ def test_grpc_open_inference_gives_each_request_its_own_status(replica):
         assert [t.decode() for t in out["text"].contents.bytes_contents] == [c["text"] for c in want]
         assert np.allclose(list(out["score"].contents.fp32_contents), [c["score"] for c in want], atol=1e-4)
     request.ClearField("raw_input_contents")
+    request.inputs[0].contents.bytes_contents[:] = [b"rome"]
     request.inputs[1].contents.int_contents[:] = [99]
     with pytest.raises(grpc.RpcError) as bad:
         stub.ModelInfer(request)
@@ -243,7 +244,7 @@ def test_grpc_open_inference_gives_each_request_its_own_status(replica):
     # a deadline its call would miss (x-slm-deadline-ms, as REST's header): the handler refuses it
     # before the graph, and the call ends DEADLINE_EXCEEDED with its reason
     with pytest.raises(grpc.RpcError) as refused:
-        stub.ModelInfer(score(TEXTS), metadata=(("x-slm-deadline-ms", "1"),), timeout=30)
+        stub.ModelInfer(score(TEXTS), metadata=(("x-slm-deadline-ms", "0.001"),), timeout=30)
     assert refused.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "not computed" in refused.value.details(), refused.value.details()
     channel.close()
