@@ -207,7 +207,7 @@ class FakeCuda:
         monkeypatch.setattr(
             loader,
             "Runtime",
-            lambda graph, task, device, replay=None: (
+            lambda graph, task, device, replay=None, headroom=0.0: (
                 self.record("engine", (graph, device))
                 or SimpleNamespace(
                     task=task, device=device, constants=(), context=SimpleNamespace(replay=replay, stream="s")
