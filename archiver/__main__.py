@@ -46,6 +46,12 @@ def main(argv: list[str] | None = None) -> int:
         "below it)",
     )
     b.add_argument("--version", default="1.0", help="the model version TorchServe registers it as (default 1.0)")
+    b.add_argument(
+        "--accuracy-reference",
+        action=argparse.BooleanOptionalAction,
+        help="also compile the task in the next precision up (fp8-static: bf16; bf16: fp32) for the online "
+        "accuracy guard (--accuracy-sample); default: on for CUDA builds in fp8-static or bf16",
+    )
     _serving_flags(b)
     c = sub.add_parser("configure", help="a new archive from a built one with other serving settings (no recompile)")
     c.add_argument("--archive", required=True, help="a built NAME.mar")
@@ -104,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
                 device_ids=tuple(args.device_ids) if args.device_ids else None,
                 cuda_graphs=False if args.no_cuda_graphs else None,
                 catalog_store=str(Path(args.catalog_store).resolve()) if args.catalog_store else None,
+                accuracy_sample=args.accuracy_sample,
+                accuracy_max_diff=args.accuracy_max_diff,
+                accuracy_min_shared=args.accuracy_min_shared,
             )
         )
         if args.command == "build":
@@ -118,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                     serving,
                     gate,
                     args.version,
+                    args.accuracy_reference,
                 )
             )
         else:
@@ -162,6 +172,23 @@ def _serving_flags(p: argparse.ArgumentParser) -> None:
         type=_ids,
         help="CUDA builds: the GPUs this model's workers go to in turn, e.g. 0,1 (default: every GPU of "
         "the host, in turn with the other models' workers); the queue grows with their number",
+    )
+    p.add_argument(
+        "--accuracy-sample",
+        type=float,
+        help="archives with an accuracy reference: the share of live requests it recomputes off the hot path "
+        "(default 0.001; 0 turns the guard off)",
+    )
+    p.add_argument(
+        "--accuracy-max-diff",
+        type=float,
+        help="score tasks: a sampled request whose |difference| of a probability from the reference passes "
+        "this is a breach (default 0.05)",
+    )
+    p.add_argument(
+        "--accuracy-min-shared",
+        type=float,
+        help="beam tasks: a sampled request sharing fewer of the reference's candidates is a breach (default 0.6)",
     )
     p.add_argument(
         "--catalog-store",

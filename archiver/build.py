@@ -25,7 +25,7 @@ from slm_core.compile.checkpoint import load_checkpoint
 from slm_core.compile.checks import GateThresholds
 from slm_core.compile.package import build_package
 from slm_core.errors import SpecError
-from slm_core.manifest import MANIFEST, check_format
+from slm_core.manifest import MANIFEST, REFERENCE_PRECISION, check_format
 from slm_core.serving import ServingOptions, ServingSpec, plan
 from slm_core.spec import RuntimeSpec, TaskSpec
 
@@ -50,6 +50,9 @@ class BuildConfig:
     serving: ServingOptions = field(default_factory=ServingOptions)
     gate: GateThresholds = field(default_factory=GateThresholds)
     version: str = "1.0"  # the archive's model version (TorchServe registers versions side by side)
+    # the accuracy guard's reference graph (slm_core.serve.accuracy_guard); None: for fp8-static and
+    # bf16 builds on CUDA (fp32 has no higher precision)
+    reference: bool | None = None
 
 
 def progress(message: str) -> None:
@@ -66,7 +69,10 @@ def build(config: BuildConfig) -> Path:
         progress(f"loading checkpoint {config.checkpoint}")
         ckpt = load_checkpoint(config.checkpoint)
         _check_store(config.serving, spec)
-        manifest = build_package(ckpt, spec, RuntimeSpec(config.device), stage, progress, config.gate)
+        reference = config.reference
+        if reference is None:
+            reference = config.device.startswith("cuda") and spec.precision in REFERENCE_PRECISION
+        manifest = build_package(ckpt, spec, RuntimeSpec(config.device), stage, progress, config.gate, reference)
         progress(f"compiled graph matches eager: {manifest['check']}")
         serving, note = plan(config.serving, config.device, manifest["task"]["max_batch"], manifest["call_ms"])
         progress(note)

@@ -93,6 +93,9 @@ def slm_build(name: str, checkpoint: Path, task: dict, store: Path, device: str,
             "600",
             "--workers",
             "1",
+            # no accuracy reference: the archives compared across runs hold one graph (the guard's
+            # cost is its own measurement)
+            "--no-accuracy-reference",
         ]
         + (  # each deployment sets its own workers
             ["--device-ids", "0"] if device == "cuda" else []

@@ -23,10 +23,11 @@ from slm_core import manifest
 from slm_core.catalog_store import CatalogStore
 from slm_core.errors import DeviceLost
 from slm_core.serve import in_flight
+from slm_core.serve.accuracy_guard import AccuracyGuard
 from slm_core.serve.catalog_watch import HEADROOM, CatalogWatch
 from slm_core.serve.deadline import Deadlines
 from slm_core.serve.kserve import metadata
-from slm_core.serve.loader import load_package, mps_running
+from slm_core.serve.loader import load_package, mps_running, reference_engine
 from slm_core.serve.protocol import Reply, Request, encode, respond_batch
 from slm_core.serving import ServingSpec
 
@@ -117,6 +118,12 @@ def record_metrics(metrics, replies: list[Reply]) -> None:
         metrics.add_metric("SlmRequestsPerCall", stats.batch, "count", metric_type=MetricTypes.HISTOGRAM)
 
 
+def request_id(ctx, i: int) -> str:
+    """TorchServe's id of the batch's request i (as its access log names it), "" without one."""
+    ids = getattr(ctx, "request_ids", None) or {}
+    return str(ids.get(i, ""))
+
+
 def requests(data: list[dict], ctx) -> list[Request]:
     """TorchServe's batch as protocol Requests: each one's parameters and its HTTP headers (names
     as the client spelled them: lower-cased here)."""
@@ -156,6 +163,28 @@ def record_version(metrics, watch: CatalogWatch, served: str | None) -> str:
     return version
 
 
+def record_accuracy(metrics, guard: AccuracyGuard) -> None:
+    """The accuracy guard's comparisons since the last batch, as histograms an operator alerts on:
+    SlmAccuracyMaxAbsDiff (each sampled request's largest |difference| from the reference: a
+    probability, or a shared candidate's score), SlmAccuracySharedCandidates (the share of the
+    reference's candidates served; 1 for score tasks) and SlmAccuracyBestSame (1 where the best
+    candidate is the reference's, else 0); SlmAccuracyBreaches counts those past the spec's
+    thresholds (each logged with its request id), SlmAccuracyDropped the samples the guard had no
+    room for."""
+    for c in guard.drain():
+        for name, value in (
+            ("SlmAccuracyMaxAbsDiff", c.max_abs_diff),
+            ("SlmAccuracySharedCandidates", c.shared),
+            ("SlmAccuracyBestSame", float(c.best_same)),
+        ):
+            metrics.add_metric(name, value, "count", metric_type=MetricTypes.HISTOGRAM)
+        if c.breach:
+            metrics.add_counter("SlmAccuracyBreaches", 1)
+    if guard.dropped:
+        metrics.add_counter("SlmAccuracyDropped", guard.dropped)
+        guard.dropped = 0
+
+
 class SlmHandler:
     def __init__(self):
         self.engine = None
@@ -164,6 +193,7 @@ class SlmHandler:
         self.model = ("", "")
         self.watch: CatalogWatch | None = None  # with a catalog store: follows its active version
         self.recorded_version: str | None = None
+        self.guard: AccuracyGuard | None = None  # with a reference graph and a sample share: compares
 
     def initialize(self, ctx) -> None:
         # Bodies reach handle() as the bytes the client sent, for slm_core.serve.protocol to parse
@@ -187,6 +217,14 @@ class SlmHandler:
             self.watch.poll()
             self.watch.start()
         package = manifest.read(model_dir)
+        if package.get("reference") and serving.accuracy_sample > 0:  # loads the reference when first needed
+            device = self.engine.device
+            self.guard = AccuracyGuard(
+                lambda task: reference_engine(model_dir, task, device),
+                serving.accuracy_sample,
+                serving.accuracy_max_diff,
+                serving.accuracy_min_shared,
+            ).start()
         self.deadlines = Deadlines(
             serving.deadline_ms, package.get("call_ms") or {}, tuple(map(tuple, package.get("call_ms_by_size") or ()))
         )
@@ -238,12 +276,18 @@ class SlmHandler:
         # describe-model ?customized=true reaches a worker as a request with this header, which a
         # batch may hold beside predictions (and a client may send): it alone gets the description
         describe = [request.headers.get("describe") == "True" for request in batch]
+        served = [i for i, d in enumerate(describe) if not d]  # the batch's index of each request served
+        sample = None
+        if self.guard is not None:
+            task = self.engine.task
+
+            def sample(i: int, value, answer) -> None:
+                self.guard.offer(request_id(ctx, served[i]), value, answer, task)
+
         try:
             with in_flight.holding(len(batch)):  # until answered: what a drain waits for
                 answered = iter(
-                    respond_batch(
-                        self.engine, [r for r, d in zip(batch, describe) if not d], self.deadlines, self.model
-                    )
+                    respond_batch(self.engine, [batch[i] for i in served], self.deadlines, self.model, sample)
                 )
         except DeviceLost:
             # Every later call would fail too, and under MPS the GPU takes no new client until this
@@ -260,6 +304,8 @@ class SlmHandler:
             record_metrics(ctx.metrics, replies)
             if self.watch is not None and self.watch.version != self.recorded_version:
                 self.recorded_version = record_version(ctx.metrics, self.watch, self.recorded_version)
+            if self.guard is not None:
+                record_accuracy(ctx.metrics, self.guard)
         if failed is not None:
             raise PredictionException(failed.body.decode("utf-8"), failed.status)
         return [self._answer(i, reply, handler_ms, ctx, grpc[i]) for i, reply in enumerate(replies)]

@@ -14,6 +14,9 @@ from slm_core.errors import SpecError
 
 FORMAT = 5  # the request path as nodes; the task's max_batch resolved; beam graphs take options
 MANIFEST, GRAPH, TOKENIZER = "manifest.json", "graph.pt2", "tokenizer.json"
+REFERENCE = "reference.pt2"  # the accuracy guard's graph, in a higher precision (slm_core.serve.accuracy_guard)
+# the precision a reference graph computes in, per archive precision
+REFERENCE_PRECISION = {"fp8-static": "bf16", "bf16": "fp32"}
 
 
 def read(package: Path) -> dict[str, Any]:

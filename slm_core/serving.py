@@ -39,6 +39,11 @@ class ServingOptions:
     device_ids: tuple[int, ...] = ()  # the GPUs this model's workers go to, in turn
     cuda_graphs: bool = True  # replay calls from CUDA graphs captured at load (off: GPU memory for many models)
     catalog_store: str | None = None  # catalog tasks: the directory of catalog versions workers follow
+    # the online accuracy guard (archives with a reference graph): the share of requests recomputed
+    # by the reference, and the thresholds past which one is a breach (the FP8 gate's defaults)
+    accuracy_sample: float = 0.001
+    accuracy_max_diff: float = 0.05
+    accuracy_min_shared: float = 0.6
 
     def __post_init__(self):
         for name in ("workers", "queue", "response_timeout_s"):
@@ -49,6 +54,11 @@ class ServingOptions:
             raise SpecError(f"serving option deadline_ms must be a positive number, got {self.deadline_ms!r}")
         if type(self.cuda_graphs) is not bool:
             raise SpecError(f"serving option cuda_graphs must be true or false, got {self.cuda_graphs!r}")
+        for name, top in (("accuracy_sample", 1.0), ("accuracy_max_diff", math.inf), ("accuracy_min_shared", 1.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= top:
+                bound = "at least 0" if top == math.inf else "from 0 to 1"
+                raise SpecError(f"serving option {name} must be a number {bound}, got {value!r}")
         if type(self.batch_delay_ms) is not int or self.batch_delay_ms < 1:
             # TorchServe 0.12 reads a maxBatchDelay below 1 in an archive as unset: 100 ms per batch
             raise SpecError(
@@ -75,6 +85,9 @@ class ServingSpec:
     cuda_graphs: bool = True
     deadline_ms: float | None = None  # the deadline `queue` was sized for, if it was
     catalog_store: str | None = None  # slm_core.catalog_store: the versions its workers swap in
+    accuracy_sample: float = 0.001  # slm_core.serve.accuracy_guard, where the package has a reference
+    accuracy_max_diff: float = 0.05
+    accuracy_min_shared: float = 0.6
 
     @property
     def gpus(self) -> int:
@@ -98,6 +111,9 @@ class ServingSpec:
                 "cuda_graphs": self.cuda_graphs,
                 "deadline_ms": self.deadline_ms,
                 **({"catalog_store": self.catalog_store} if self.catalog_store else {}),
+                "accuracy_sample": self.accuracy_sample,
+                "accuracy_max_diff": self.accuracy_max_diff,
+                "accuracy_min_shared": self.accuracy_min_shared,
             },
         }
 
@@ -105,11 +121,19 @@ class ServingSpec:
     def from_model_config(cls, config: Mapping[str, Any]) -> "ServingSpec":
         """The spec an archive's model-config.yaml holds (TorchServe hands it to the handler)."""
         own = dict(config.get(HANDLER) or {})
-        unknown = set(own) - {"cuda_graphs", "deadline_ms", "catalog_store"}
+        known = {
+            "cuda_graphs",
+            "deadline_ms",
+            "catalog_store",
+            "accuracy_sample",
+            "accuracy_max_diff",
+            "accuracy_min_shared",
+        }
+        unknown = set(own) - known
         if unknown:
             raise SpecError(
                 f"unknown keys {sorted(unknown)} in model-config.yaml's {HANDLER!r} section "
-                "(known: cuda_graphs, deadline_ms, catalog_store): rebuild the archive with this version"
+                f"(known: {', '.join(sorted(known))}): rebuild the archive with this version"
             )
         if type(own.get("cuda_graphs", True)) is not bool:
             raise SpecError(f"model-config.yaml's cuda_graphs must be true or false, got {own['cuda_graphs']!r}")
@@ -166,6 +190,9 @@ def plan(options: ServingOptions, device: str, max_batch: int, call_ms: dict[str
         options.cuda_graphs,
         deadline if options.queue is None else None,
         options.catalog_store,
+        options.accuracy_sample,
+        options.accuracy_max_diff,
+        options.accuracy_min_shared,
     )
     return spec, note
 

@@ -45,10 +45,12 @@ def build_package(
     out_dir: Path,
     progress: Callable[[str], None] = print,
     gate: GateThresholds = GateThresholds(),
+    reference: bool = False,
 ) -> dict[str, Any]:
     """Compile the task for the runtime's device into out_dir; returns the manifest. Raises
     SpecError when the compiled graph disagrees with the eager one, or an fp8 build fails its
-    accuracy gate against bf16."""
+    accuracy gate against bf16. With `reference`, also the task's graph in the next precision up
+    (manifest.REFERENCE_PRECISION), for the online accuracy guard."""
     dev = torch.device(runtime.device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -87,6 +89,22 @@ def build_package(
         reference = Runtime(build_graph(ckpt, bf16, runtime), bf16, dev)
         fp8 = step("accuracy gate: compiled fp8-static against bf16", lambda: fp8_gate(reference, compiled, gate))
         progress(f"accuracy gate passed: {fp8}")
+    reference_node = None
+    if reference:
+        up = package.REFERENCE_PRECISION.get(task.spec.precision)
+        if up is None:
+            raise SpecError(f"a {task.spec.precision} build has no higher precision for an accuracy reference")
+        higher = prepare(ckpt, dataclasses.replace(task.spec, precision=up), runtime)
+        ref_graph = build_graph(ckpt, higher, runtime)
+        ref_path = step(
+            f"AOTInductor compile of the accuracy guard's reference ({up})",
+            lambda: compile_package(export_graph(ref_graph, higher), str(out_dir / package.REFERENCE), progress),
+        )
+        ref_check = step(
+            "checking the reference against its eager graph",
+            lambda: check_compiled(Runtime(ref_graph, higher, dev), Runtime(load_graph(ref_path), higher, dev)),
+        )
+        reference_node = {"file": package.REFERENCE, "precision": up, "check": ref_check}
     call_ms = step("timing calls at the token bounds (1, 2, 4 ... max_batch requests)", lambda: time_calls(compiled))
     progress("calls at the token bounds: " + ", ".join(f"{b} request(s) {ms:.1f} ms" for b, ms in call_ms.items()))
     sizes = step(
@@ -105,6 +123,7 @@ def build_package(
         "pipeline": task.pipeline(dev.type, package.GRAPH),
         "check": check,
         "fp8_gate": fp8,
+        "reference": reference_node,
         "call_ms": call_ms,
         "call_ms_by_size": sizes,
         "built": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

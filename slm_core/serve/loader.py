@@ -81,6 +81,20 @@ def serving_engine(
     return served
 
 
+def reference_engine(model_dir: "str | Path", task: Task, device: "torch.device | str") -> Runtime:
+    """The package's accuracy reference (manifest "reference": the task's graph in a higher
+    precision) serving `task` on `device`, without CUDA graphs: it runs a few requests off the
+    hot path (slm_core.serve.accuracy_guard)."""
+    node = package.read(Path(model_dir)).get("reference")
+    if not node:
+        raise SpecError(f"the package in {model_dir} holds no accuracy reference: build it with --accuracy-reference")
+    device = torch.device(device)
+    graph = load_graph(
+        str(Path(model_dir) / node["file"]), **({"device_index": device.index} if device.index is not None else {})
+    )
+    return Runtime(graph, task, device)
+
+
 def load_task(model_dir: Path, manifest: dict) -> Task:
     """The manifest's task, checked against the request path it records."""
     tokenizer = Tokenizer.from_file(str(model_dir / package.TOKENIZER))

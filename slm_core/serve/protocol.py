@@ -10,6 +10,7 @@ new process can use again.
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -104,13 +105,18 @@ def respond(
 
 
 def respond_batch(
-    engine: Runtime, requests: list[Request], deadlines: Deadlines | None = None, model: tuple[str, str] = ("", "")
+    engine: Runtime,
+    requests: list[Request],
+    deadlines: Deadlines | None = None,
+    model: tuple[str, str] = ("", ""),
+    answered: Callable[[int, Any, Any], None] | None = None,
 ) -> list[Reply]:
     """The replies to a batch, in order. Up to max_batch request values share one graph call, a
     request's values (a v1 body's instances) the same one; a bad request gets its own 4xx and is
     left out of the call, as is one that its call would answer past its deadline (504,
     slm_core.serve.deadline); a failure of the call itself is a 500 for the requests in it,
-    logged, or DeviceLost raised when the device fails every call after it."""
+    logged, or DeviceLost raised when the device fails every call after it. `answered(i, value,
+    answer)` sees each answered value of request i (the accuracy guard's sample)."""
     task = engine.task
     replies: list[Reply | None] = [None] * len(requests)
     decoded: dict[int, Decoded] = {}
@@ -140,7 +146,7 @@ def respond_batch(
             shape = (size, sum(map(len, held)), max((len(seq) for seqs in held for seq in seqs), default=0))
             members = [i for i in members if not _late(deadlines, requests[i], shape, replies, i)]
         if members:
-            _call(engine, decoded, members, replies, encoded)
+            _call(engine, decoded, members, replies, encoded, answered)
     return replies
 
 
@@ -170,7 +176,12 @@ def _late(deadlines: Deadlines, request: Request, size: tuple, replies: list, i:
 
 
 def _call(
-    engine: Runtime, decoded: dict[int, Decoded], members: list[int], replies: list, encoded: dict[int, list]
+    engine: Runtime,
+    decoded: dict[int, Decoded],
+    members: list[int],
+    replies: list,
+    encoded: dict[int, list],
+    answered: Callable[[int, Any, Any], None] | None = None,
 ) -> None:
     """One graph call for the values of requests `members` (tokenized: `encoded`); their replies go
     to replies[members]."""
@@ -193,6 +204,9 @@ def _call(
             k, e = failed[0]
             replies[i] = error(e.status, d.where(k) + str(e))
             continue
+        if answered is not None:
+            for value, result in zip(d.values, mine):
+                answered(i, value, result.answer)
         stats = mine[0].stats
         if len(mine) > 1:  # one call: its time and batch; the request's texts and tokens, all of them
             stats = replace(stats, texts=sum(r.stats.texts for r in mine), tokens=sum(r.stats.tokens for r in mine))

@@ -25,11 +25,12 @@ from slm_core.tokenizer import PackedTokenizer
 @dataclass(frozen=True)
 class Difference:
     """Two answers to one request compared: the |differences| of the numbers they share
-    (probabilities; shared candidates' scores) and the share of the first's items the second also
-    holds (1.0 for rows of numbers)."""
+    (probabilities; shared candidates' scores), the share of the first's items the second also
+    holds (1.0 for rows of numbers) and whether their best item is the same."""
 
     values: tuple[float, ...]
     shared: float = 1.0
+    best_same: bool = True
 
 
 @dataclass(frozen=True)

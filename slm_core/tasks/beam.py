@@ -203,7 +203,8 @@ class BeamTask(Task):
     def difference(self, want: list[dict], got: list[dict]) -> Difference:
         scores = {tuple(c["token_ids"]): c["score"] for c in want}
         shared = [abs(c["score"] - scores[tuple(c["token_ids"])]) for c in got if tuple(c["token_ids"]) in scores]
-        return Difference(tuple(shared), len(shared) / max(1, len(want)))
+        best_same = [c["token_ids"] for c in want[:1]] == [c["token_ids"] for c in got[:1]]
+        return Difference(tuple(shared), len(shared) / max(1, len(want)), best_same)
 
     def gate(self, differences: list[Difference], max_diff: float, min_shared: float) -> dict[str, Any]:
         shares = [d.shared for d in differences]

@@ -316,3 +316,51 @@ def test_a_batch_is_marked_in_flight_while_it_is_handled(archives, tmp_path, mon
     monkeypatch.setattr(slm_handler, "respond_batch", watched)
     out = handler.handle([{"body": b'{"texts": ["a"]}'}, {"body": b'{"texts": ["b", "c"]}'}], ctx)
     assert len(out) == 2 and marks == [["2"]] and list(tmp_path.iterdir()) == []
+
+
+def test_the_accuracy_guard_histograms_move_when_the_served_graph_is_perturbed(archives, caplog):
+    """The online accuracy guard in a worker (every request sampled): against a reference that
+    answers as the served graph, its histograms hold differences of ~0 and no breach; with the
+    served graph's probabilities perturbed by 0.05, the same requests' differences move to 0.05,
+    each one past the 0.01 threshold is a breach counted and logged with its request id. A CPU fp32
+    archive has no reference: its worker runs no guard."""
+    from slm_core.serve.accuracy_guard import AccuracyGuard
+
+    ctx = MockContext(archives["tiny_score"], ServingSpec("cpu", 1, 3, 30).model_config(), [{}, {}, {}])
+    ctx.request_ids = {0: "req-a", 1: "req-b", 2: "req-c"}
+    handler = SlmHandler()
+    handler.initialize(ctx)
+    assert handler.guard is None
+    reference = Engine.from_package(archives["tiny_score"])
+    handler.guard = AccuracyGuard(lambda task: reference, share=1.0, max_diff=0.01, min_shared=0.6).start()
+    batch = [
+        {"body": b'{"texts": ["search engines", "a"]}'},
+        {"body": b'{"texts": ["the lazy dog"]}'},
+        {"body": b'{"texts": 7}'},  # refused: nothing to compare
+    ]
+
+    def observed(name: str) -> list[float]:
+        handler.guard.wait()
+        share, handler.guard.share = handler.guard.share, 0.0
+        handler.handle(batch[1:2], ctx)  # the next batch (not sampled) records what the guard compared
+        handler.guard.share = share
+        return ctx.histograms.pop((name, "count"), [])
+
+    handler.handle(batch, ctx)
+    diffs = observed("SlmAccuracyMaxAbsDiff")
+    assert len(diffs) == 2 and max(diffs) < 1e-5
+    assert "SlmAccuracyBreaches" not in ctx.counters
+    assert ctx.histograms[("SlmAccuracyBestSame", "count")] == [1.0, 1.0]
+    graph = handler.engine.graph
+
+    def perturbed(*args):
+        out = graph(*args)
+        return (out[0] + 0.05, *out[1:]) if isinstance(out, tuple) else out + 0.05
+
+    handler.engine.graph = perturbed
+    with caplog.at_level("WARNING"):
+        handler.handle(batch, ctx)
+        diffs = observed("SlmAccuracyMaxAbsDiff")
+    assert len(diffs) == 2 and all(d == pytest.approx(0.05, abs=1e-4) for d in diffs)
+    assert ctx.counters["SlmAccuracyBreaches"] == 2
+    assert "req-a" in caplog.text and "req-b" in caplog.text

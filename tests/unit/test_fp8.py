@@ -123,16 +123,36 @@ def test_fp8_static_embeddings_are_near_bf16_and_gated_by_cosine_distance(random
 def test_fp8_score_build_compiles_matches_eager_and_records_its_gate(random_checkpoint, tmp_path):
     """An fp8-static score package (AOTInductor, CPU): compiled equals eager, the manifest records
     the precision and the gate, and the served engine loads it with the scales its build
-    calibrated, as the eager graph calibrates them."""
+    calibrated, as the eager graph calibrates them. Its accuracy reference is the task compiled
+    in bf16: it answers as the bf16 eager graph, and the online guard compares the served answers
+    with it."""
     from slm_core.compile.package import build_package
     from slm_core.manifest import MANIFEST
-    from slm_core.serve.loader import load_package
+    from slm_core.serve.accuracy_guard import AccuracyGuard
+    from slm_core.serve.loader import load_package, reference_engine
     from slm_core.spec import RuntimeSpec
     from slm_core.tasks import LabelsTask
 
     ckpt = load_checkpoint(random_checkpoint("qwen3")[0])
     task = TaskSpec.from_dict({**SCORE, "precision": "fp8-static"})
-    manifest = build_package(ckpt, task, RuntimeSpec("cpu"), tmp_path / "pkg", gate=GateThresholds(max_diff=0.1))
+    manifest = build_package(
+        ckpt, task, RuntimeSpec("cpu"), tmp_path / "pkg", gate=GateThresholds(max_diff=0.1), reference=True
+    )
+    assert manifest["reference"]["precision"] == "bf16" and manifest["reference"]["check"]["max_abs_diff"] <= 5e-2
+    served = load_package(tmp_path / "pkg", engine=Engine)
+    reference = reference_engine(tmp_path / "pkg", served.task, "cpu")
+    bf16 = engine_for(ckpt, **SCORE, precision="bf16")
+    for row, ref in zip(
+        reference.run_one(["search engines rank documents"]), bf16.score(["search engines rank documents"])
+    ):
+        assert row == pytest.approx(ref, abs=LabelsTask.tolerance["bf16"])
+    guard = AccuracyGuard(lambda task: reference, share=1.0, max_diff=0.1, min_shared=0.6)
+    guard.start()
+    for k, texts in enumerate((["search engines rank documents", "a"], ["the lazy dog"])):
+        assert guard.offer(f"r{k}", texts, served.run_one(texts), served.task)
+    guard.wait()
+    (one, two) = sorted(guard.drain(), key=lambda c: c.request_id)
+    assert one.request_id == "r0" and 0 < one.max_abs_diff < 0.1 and not one.breach and one.shared == 1.0
     assert manifest == json.loads((tmp_path / "pkg" / MANIFEST).read_text())
     assert manifest["task"]["precision"] == "fp8-static" and manifest["dtype"] == "bfloat16"
     assert manifest["fp8_gate"]["max_abs_diff"] < 0.1 and manifest["check"]["max_abs_diff"] <= 5e-2

@@ -40,7 +40,13 @@ def test_the_queue_is_sized_for_the_deadline():
 
 
 def test_model_config_round_trips_and_says_what_torchserve_reads():
-    spec = plan(ServingOptions(device_ids=(0, 1), batch_delay_ms=2, response_timeout_s=60), "cuda", 8, BEAM_MS)[0]
+    spec = plan(
+        ServingOptions(device_ids=(0, 1), batch_delay_ms=2, response_timeout_s=60, accuracy_sample=0.01),
+        "cuda",
+        8,
+        BEAM_MS,
+    )[0]
+    assert (spec.accuracy_sample, spec.accuracy_max_diff, spec.accuracy_min_shared) == (0.01, 0.05, 0.6)
     config = spec.model_config()
     assert {
         k: config[k]
@@ -86,6 +92,10 @@ def test_model_config_round_trips_and_says_what_torchserve_reads():
         (dict(deadline_ms=float("inf")), "deadline_ms must be a positive number"),
         (dict(cuda_graphs="no"), "cuda_graphs must be true or false"),
         (dict(device_ids=(0, 0)), "distinct and not negative"),
+        (dict(accuracy_sample=1.5), "accuracy_sample must be a number from 0 to 1"),
+        (dict(accuracy_sample=True), "accuracy_sample must be a number from 0 to 1"),
+        (dict(accuracy_min_shared=-0.1), "accuracy_min_shared must be a number from 0 to 1"),
+        (dict(accuracy_max_diff=-1), "accuracy_max_diff must be a number at least 0"),
     ],
 )
 def test_options_refuse_what_torchserve_would_misread(options, message):
