@@ -217,10 +217,12 @@ class SlmHandler:
             self.watch.poll()
             self.watch.start()
         package = manifest.read(model_dir)
-        if package.get("reference") and serving.accuracy_sample > 0:  # loads the reference when first needed
-            device = self.engine.device
+        if package.get("reference") and serving.accuracy_sample > 0:
+            # loaded now, before the worker serves: a package's load holds the interpreter for
+            # seconds, which in the guard's thread would stall the calls
+            reference = reference_engine(model_dir, self.engine.task, self.engine.device)
             self.guard = AccuracyGuard(
-                lambda task: reference_engine(model_dir, task, device),
+                lambda task: reference,
                 serving.accuracy_sample,
                 serving.accuracy_max_diff,
                 serving.accuracy_min_shared,

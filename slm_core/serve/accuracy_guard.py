@@ -7,9 +7,9 @@ a bf16 one), and each served answer compared with the reference's (Task.differen
     guard.drain()                            # the comparisons done since the last drain
 
 The reference runs in a thread of its own, on its own request context (and CUDA stream), one
-sampled request at a time; it is loaded there, on the first sampled request, so a worker is
-ready without it. A sampled request that finds GUARD_QUEUE others waiting is dropped (counted):
-the guard never holds back serving. A comparison breaches when the task's FP8 gate, applied to
+sampled request at a time (`reference(task)` gives its engine, asked once). A sampled request
+that finds GUARD_QUEUE others waiting is dropped (counted): the guard never holds back serving.
+A comparison breaches when the task's FP8 gate, applied to
 that one request with the spec's thresholds, fails (Task.gate): |Δp| above max_diff for score
 tasks, fewer shared candidates than min_shared for beams.
 """
