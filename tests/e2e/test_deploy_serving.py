@@ -23,8 +23,9 @@ def test_serves_the_real_archive_it_finds(tmp_path, demo):
     ready once the model has a READY worker, and a request then is answered at once; /metrics
     answers; a store archive TorchServe does not serve keeps the probe not ready. Then SIGTERM
     to serve.sh alone, as Kubernetes sends it, under load of calls longer than the drain's quiet
-    period (DRAIN_QUIET 0.3 s): the probe says draining at once, the load stops as the Service
-    would stop sending, every request sent is answered 200, and serve.sh exits 0 once TorchServe
+    period (DRAIN_QUIET 0.3 s), sent to TorchServe directly and through the KServe gateway
+    (KSERVE_GATEWAY=1): the probe says draining at once, the load stops as the Service would stop
+    sending, every request sent either way is answered 200, and serve.sh exits 0 once TorchServe
     has stopped."""
     from conftest import smollm2_path
 
@@ -36,10 +37,10 @@ def test_serves_the_real_archive_it_finds(tmp_path, demo):
     # `false` as Python: the archiver is never run
     env = serve_env(tmp_path, "false", smollm2_path(), PATH=f"{bindir}:{os.environ['PATH']}")
 
-    inference, management, metrics, grpc_i, grpc_m, workers = free_ports(6)
+    inference, management, metrics, grpc_i, grpc_m, workers, gateway = free_ports(7)
     config = {
         **CONFIG,
-        "inference_address": f"http://127.0.0.1:{inference}",
+        "inference_address": "http://0.0.0.0:1",  # serve.sh moves it (TS_INFERENCE_ADDRESS)
         "management_address": f"http://127.0.0.1:{management}",
         "metrics_address": f"http://127.0.0.1:{metrics}",
         "grpc_inference_port": str(grpc_i),
@@ -56,6 +57,11 @@ def test_serves_the_real_archive_it_finds(tmp_path, demo):
         "TS_CONFIG": str(tmp_path / "ts.properties"),
         "DRAIN_FILE": drain_file,
         "DRAIN_QUIET": "0.3",  # shorter than a call here: the drain must wait for the calls in the workers
+        "KSERVE_GATEWAY": "1",
+        "TS_INFERENCE_ADDRESS": f"http://127.0.0.1:{inference}",
+        "GATEWAY_ADDRESS": f"127.0.0.1:{gateway}",
+        "GRPC_ADDRESS": "",  # the gateway's gRPC has its own test (test_kserve_serving.py)
+        "MANAGEMENT": f"http://127.0.0.1:{management}",
         "TMPDIR": str(tmp_path / "run" / "tmp"),
         "LOG_LOCATION": str(tmp_path / "run" / "logs"),
         "METRICS_LOCATION": str(tmp_path / "run" / "logs"),
@@ -119,7 +125,7 @@ def test_serves_the_real_archive_it_finds(tmp_path, demo):
         assert b"QueueTime_bucket" in body and b"SlmGraphCallSeconds_bucket" in body
         drain_under_load(
             proc,
-            f"http://127.0.0.1:{inference}/predictions/smollm2_intent",
+            [f"http://127.0.0.1:{port}/predictions/smollm2_intent" for port in (inference, gateway)],
             lambda: ready(tmp_path / "store"),
             tmp_path / "run" / "stdout.log",
         )
@@ -128,30 +134,30 @@ def test_serves_the_real_archive_it_finds(tmp_path, demo):
         log.close()
 
 
-def drain_under_load(proc: subprocess.Popen, url: str, ready, log: Path) -> None:
-    """SIGTERM to serve.sh while two clients send requests back to back, each a call longer than
-    the drain's quiet period. A stand-in for the Service stops sending 0.5 s after the probe first
-    says draining (the endpoint update). Every request sent gets its 200; serve.sh says it drained
-    and exits 0."""
+def drain_under_load(proc: subprocess.Popen, urls: list[str], ready, log: Path) -> None:
+    """SIGTERM to serve.sh while a client per URL sends requests back to back, each a call longer
+    than the drain's quiet period. A stand-in for the Service stops sending 0.5 s after the probe
+    first says draining (the endpoint update). Every request sent gets its 200; serve.sh says it
+    drained and exits 0."""
     import threading
 
     texts = ["cheap flights to rome and back " * 9, "iphone case with a strap " * 9] * 2  # ~110 tokens each
     body = json.dumps({"texts": texts}).encode()
-    statuses: list = []
+    statuses: dict[str, list] = {url: [] for url in urls}
     graph_ms: list = []
     sending = threading.Event()
     sending.set()
 
-    def client():
+    def client(url: str):
         while sending.is_set():
             headers: dict = {}
             try:
-                statuses.append(http("POST", url, body, {"Content-Type": "application/json"}, 60, headers)[0])
+                statuses[url].append(http("POST", url, body, {"Content-Type": "application/json"}, 60, headers)[0])
                 graph_ms.append(float(headers.get("x-slm-graph-ms", 0)))
             except OSError as e:  # a reset or refused connection: a request lost
-                statuses.append(repr(e))
+                statuses[url].append(repr(e))
 
-    clients = [threading.Thread(target=client) for _ in range(2)]
+    clients = [threading.Thread(target=client, args=(url,)) for url in urls]
     for c in clients:
         c.start()
     time.sleep(1.0)
@@ -170,7 +176,9 @@ def drain_under_load(proc: subprocess.Popen, url: str, ready, log: Path) -> None
         c.join()
     code = proc.wait(timeout=90)
     text = log.read_text(errors="replace")
-    print(f"\ndrain: {len(statuses)} requests under load, stopped {time.monotonic() - start:.1f} s after SIGTERM")
-    assert statuses and all(s == 200 for s in statuses), [s for s in statuses if s != 200][:5]
+    sent = {url: len(s) for url, s in statuses.items()}
+    print(f"\ndrain: {sent} requests under load, stopped {time.monotonic() - start:.1f} s after SIGTERM")
+    for url, got in statuses.items():  # directly and through the gateway alike
+        assert got and all(s == 200 for s in got), (url, [s for s in got if s != 200][:5])
     assert code == 0 and "drained" in text, text[-2000:]
     assert min(graph_ms) > 300, graph_ms  # the premise: every call outlasts the quiet period
