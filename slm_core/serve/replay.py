@@ -176,7 +176,9 @@ class CudaGraphs:
         args = (self.ids[:t], self.cu[: n + 1], *([] if self.options is None else [self.options[:n]]), *self.constants)
         self.graph(*args)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+        # thread_local: a worker's other threads (the accuracy guard's reference calls, a catalog's
+        # pinned copy) keep using CUDA while a swap captures again; "global" would fail the capture
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
             outputs = self.graph(*args)
         self.pool = graph.pool()
         graph.replay()
