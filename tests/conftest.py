@@ -59,7 +59,18 @@ def byte_level(smollm2):
 
 
 def train_tokenizer(path: Path, vocab_size: int = 400) -> None:
+    """A byte-level BPE of `vocab_size` tokens, trained on CORPUS; past what CORPUS holds, also on
+    random words (a vocabulary large enough for a wide beam: 2W tokens)."""
+    import random
+    import string
+
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    corpus = list(CORPUS)
+    if vocab_size > 400:
+        rng = random.Random(0)
+        words = ["".join(rng.choices(string.ascii_lowercase, k=rng.randint(3, 8))) for _ in range(3 * vocab_size)]
+        corpus += [" ".join(words[i : i + 12]) for i in range(0, len(words), 12)] * 3
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -67,7 +78,7 @@ def train_tokenizer(path: Path, vocab_size: int = 400) -> None:
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
-    tok.train_from_iterator(CORPUS, trainer)
+    tok.train_from_iterator(corpus, trainer)
     tok.save(str(path))
 
 
@@ -115,17 +126,17 @@ RANDOM_CONFIGS = {
 
 @pytest.fixture(scope="session")
 def random_checkpoint(tmp_path_factory):
-    """arch -> (HF dir, HF model fp32). Random weights with a wide init so that logits are peaked
-    (near-ties would make order comparisons meaningless)."""
+    """(arch, vocab_size=400) -> (HF dir, HF model fp32). Random weights with a wide init so that
+    logits are peaked (near-ties would make order comparisons meaningless)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     made = {}
 
-    def make(arch: str):
-        if arch in made:
-            return made[arch]
-        folder = tmp_path_factory.mktemp(f"random-{arch}")
-        train_tokenizer(folder / "tokenizer.json")
+    def make(arch: str, vocab_size: int = 400):
+        if (arch, vocab_size) in made:
+            return made[arch, vocab_size]
+        folder = tmp_path_factory.mktemp(f"random-{arch}-{vocab_size}")
+        train_tokenizer(folder / "tokenizer.json", vocab_size)
         vocab = json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]
         cfg = AutoConfig.for_model(
             arch,
@@ -138,8 +149,8 @@ def random_checkpoint(tmp_path_factory):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
         model.save_pretrained(folder)
-        made[arch] = (folder, model)
-        return made[arch]
+        made[arch, vocab_size] = (folder, model)
+        return made[arch, vocab_size]
 
     return make
 
