@@ -471,8 +471,9 @@ def test_a_published_catalog_is_swapped_in_place_under_traffic_and_rolled_back(s
             time.sleep(0.02)
         raise AssertionError(f"no answer of catalog version {version} within {limit} s")
 
-    def cli(*args: str) -> int:
-        return main(list(args))
+    def publish(catalog, version: str) -> int:  # slm-archiver publish into the workers' store
+        args = ["--archive", str(built["store"] / V2_MAR), "--catalog", str(catalog), "--version", version]
+        return main(["publish", *args, "--store", str(built["catalogs"])])
 
     threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in (0, 1)]
     for thread in threads:
@@ -481,46 +482,19 @@ def test_a_published_catalog_is_swapped_in_place_under_traffic_and_rolled_back(s
     try:
         served_since(0, ARCHIVE)
         t["publish"] = time.monotonic()
-        archive = str(built["store"] / V2_MAR)
-        assert (
-            cli(
-                "publish",
-                "--archive",
-                archive,
-                "--catalog",
-                str(built["root"] / "items1.jsonl"),
-                "--store",
-                str(built["catalogs"]),
-                "--version",
-                "c1",
-            )
-            == 0
-        )
+        assert publish(built["root"] / "items1.jsonl", "c1") == 0
         t["published"] = time.monotonic()
         t["c1"] = served_since(t["publish"], "c1")
         # a bad catalog: refused with its line; the store and the served catalog stay as they were
         bad = built["root"] / "bad.jsonl"
         bad.write_text('{"id": "a", "tokens": [10]}\n{"id": "b", "tokens": [11]}\n{"id": "a", "tokens": [12]}\n')
         capfd.readouterr()
-        assert (
-            cli(
-                "publish",
-                "--archive",
-                archive,
-                "--catalog",
-                str(bad),
-                "--store",
-                str(built["catalogs"]),
-                "--version",
-                "bad",
-            )
-            == 2
-        )
+        assert publish(bad, "bad") == 2
         assert "line 3: id 'a' is also on line 1" in capfd.readouterr().err
         assert store.versions() == ["c1"] and store.current() == "c1"
         time.sleep(1.5)  # more than a poll: still c1
         t["rollback"] = time.monotonic()
-        assert cli("rollback", "--store", str(built["catalogs"])) == 0
+        assert main(["rollback", "--store", str(built["catalogs"])]) == 0
         t["archive"] = served_since(t["rollback"], ARCHIVE)
         time.sleep(0.5)
     finally:
