@@ -5,10 +5,9 @@ CUDA graph, without launch overhead; "eager_call_ms" is one call from Python, la
 flash SDPA with and without its pad/unpad, flash `varlen_attn` and compiled flex attention with a
 precomputed document-causal block mask; for beam decode SDPA over the prompt K/V copied per beam;
 for QK-norm + RoPE and SiLU * up what Inductor generates from the reference (what the graphs ran
-before the kernels). Also the beam step's vocabulary top-k with its logsumexp: PyTorch's (one pass, or two
-stages over chunks) against slm_kernels/vocab_topk.py, and the step's selections (each prompt's
-best continuations, its running beams, its finished pool) through torch.topk and through
-slm_kernels/row_topk.py.
+before the kernels). Also the beam step's vocabulary top-k with its logsumexp: PyTorch's against
+slm_kernels/vocab_topk.py, and the step's selections (each prompt's best continuations, its
+running beams, its finished pool) through torch.topk and through slm_kernels/row_topk.py.
 
     python -m bench.kernels_bench --out FILE.json [--only "selection"]
 """
@@ -17,7 +16,6 @@ import argparse
 import contextlib
 import json
 import random
-from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -254,10 +252,9 @@ def topk(rows: int, k: int, vocab: int = 151936) -> dict:
         "gpu_ms": graph_ms(fn),
         "rel_err": rel_err(fn().sort(-1, descending=True).values, ref),
     }
-    for group, by_torch in ((16, False), (32, False), (32, True)):  # the graphs': group 32 through row_topk
-        rows_by = "torch.topk" if by_torch else "row_topk"
-        name = f"triton vocab_topk (group maxima + logsumexp), group {group}, {rows_by}"
-        fused = lambda g=group, t=by_torch: vocab_topk_by(t, logits, k, g)  # noqa: E731
+    for group in (16, 32):  # the graphs': 32
+        name = f"triton vocab_topk (group maxima + logsumexp), group {group}"
+        fused = lambda g=group: vocab_topk(logits, k, group=g)  # noqa: E731
         try:  # a failure is reported, the rest of the bench goes on
             r[name] = {
                 "eager_call_ms": median_ms(fused),
@@ -272,14 +269,6 @@ def topk(rows: int, k: int, vocab: int = 151936) -> dict:
                 "error": f"{type(e).__name__}: {e}"[:300],
             }
     return {"shape": f"{rows} rows x {vocab}, k={k}", "results": r}
-
-
-def vocab_topk_by(by_torch: bool, logits: torch.Tensor, k: int, group: int):
-    """vocab_topk with its two row top-k's through row_topk (as the graphs) or through torch.topk."""
-    if not by_torch:
-        return vocab_topk(logits, k, group=group)
-    with mock.patch("slm_kernels.vocab_topk.top_k_rows", lambda x, k: x.topk(k, dim=1, sorted=False)):
-        return vocab_topk(logits, k, group=group)
 
 
 def selections(rows: int, columns: int, k: int) -> dict:

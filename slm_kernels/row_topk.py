@@ -2,10 +2,10 @@
 and their columns, in column order. Reference: torch.topk(x, k, dim=1, sorted=False) (the same
 values; among equal values at the k-th place the lowest columns, where torch.topk takes any).
 
-Why: every beam step takes several top-k's of short rows (a few thousand values): each beam's best
-groups and logits (slm_kernels.vocab_topk), each prompt's best continuations, its running beams
-and its finished pool. torch.topk runs each as a radix select over global memory, one block per
-row or several kernels per row, where these rows fit in one program's registers.
+Why: every beam step takes several top-k's of short rows (a few thousand values): each prompt's
+best continuations, its running beams and its finished pool. torch.topk runs each as a radix
+select over global memory, one block per row or several kernels per row, where these rows fit in
+one program's registers.
 
 How: one program takes a chunk of a row (at most `block` columns) into registers as int32 keys
 that order as the floats do, and finds its k-th largest key by bisection over the key range: each
@@ -108,7 +108,7 @@ def row_topk(x: torch.Tensor, k: int, block: int = 8192, num_warps: int = 8) -> 
 
 
 def top_k_rows(x: torch.Tensor, k: int, block: int = 8192, num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
-    """row_topk's kernels, for another Triton op's body (slm_kernels.vocab_topk)."""
+    """row_topk's kernels as a plain function: the op's body."""
     rows, n = x.shape
     if not 1 <= k <= n or x.stride(1) != 1 or x.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"row_topk: unsupported k={k} for {tuple(x.shape)} {x.dtype}")

@@ -1,6 +1,6 @@
 """Exact row-wise top-k of logits and their log-sum-exp, for the beam step: one Triton pass over
 the logits (each group's maximum and the row's log-sum-exp), then PyTorch's top-k over what is
-left (slm_kernels.row_topk). Reference: torch.topk and torch.logsumexp.
+left. Reference: torch.topk and torch.logsumexp.
 
 Why: a beam step takes the top 2W of V = 151,936 logits for each of the B*W beams.
 - PyTorch's topk over whole rows takes many times the time to read the logits.
@@ -10,14 +10,18 @@ Why: a beam step takes the top 2W of V = 151,936 logits for each of the B*W beam
 How: cut each row into groups of G consecutive columns.
 1. One Triton pass reads the row once and writes each group's maximum, and per block of groups
    the maximum and the sum of exp, from which the row's log-sum-exp follows.
-2. A row top-k picks the k groups with the largest maxima: a row of V / G values, not V.
-3. A row top-k picks the k largest of those groups' k * G logits.
+2. torch.topk picks the k groups with the largest maxima: a row of V / G values, not V.
+3. torch.topk picks the k largest of those groups' k * G logits.
 
 Step 3 returns the row's exact top k values. Every value above the row's k-th largest, tau, lies
 in a chosen group: were its group left out, the k chosen groups' maxima would be k more values
 above tau. And at least k values >= tau are among the chosen groups: either every chosen maximum
 is >= tau (k of them), or some is below tau, and then every group holding a value >= tau was
-chosen. Of several equal values the lowest columns are taken. The k values come back unsorted.
+chosen. Which of several equal values is taken follows torch.topk (any order, as torch.topk's
+own tie order). The k values come back unsorted.
+
+Steps 2 and 3 stay torch.topk: slm_kernels.row_topk, faster at the step's other selections, is
+faster here at 100 rows but slower at 800 (bench/RESULTS.md).
 
 It is faster than torch.topk + logsumexp at every beam count (bench.kernels_bench): the beam
 graphs use it on CUDA (RuntimeSpec kernels "triton"); torch.topk is its test oracle and the CPU
@@ -28,8 +32,6 @@ import torch
 import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
-
-from slm_kernels.row_topk import top_k_rows
 
 
 @triton.jit
@@ -77,10 +79,10 @@ def vocab_topk(
     wrap_triton(_group_max_pass)[(rows, n_blocks)](
         logits, gmax, bmax, bsum, vocab, n_groups, logits.stride(0), GROUP=group, GROUPS=groups
     )
-    chosen = top_k_rows(gmax, k)[1]  # [R, k] groups, in column order
+    chosen = gmax.topk(k, dim=1, sorted=False).indices  # [R, k] groups
     cols = (chosen[:, :, None] * group + torch.arange(group, device=dev)).flatten(1)  # [R, k * group]
     values = logits.gather(1, cols.clamp_max(vocab - 1)).masked_fill(cols >= vocab, float("-inf"))
-    values, at = top_k_rows(values, k)
+    values, at = values.topk(k, dim=1, sorted=False)
     top = bmax.max(1).values
     top = torch.where(top.isneginf(), 0.0, top)  # a row of -inf: logsumexp -inf, as torch's
     lse = top + torch.log((bsum * torch.exp(bmax - top[:, None])).sum(1))
