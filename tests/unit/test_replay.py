@@ -160,7 +160,14 @@ def test_capture_records_every_bucket_of_the_grid_with_valid_calls(monkeypatch):
             return "pool"
 
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
-    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None, stream=None: contextlib.nullcontext())
+    modes = []
+    monkeypatch.setattr(
+        torch.cuda,
+        "graph",
+        lambda graph, pool=None, stream=None, capture_error_mode="global": (
+            modes.append(capture_error_mode) or contextlib.nullcontext()
+        ),
+    )
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     for spec in (
@@ -181,6 +188,7 @@ def test_capture_records_every_bucket_of_the_grid_with_valid_calls(monkeypatch):
         assert replay.capture(stream=None) == len(grid) == len(calls) // 2
         assert set(replay.graphs) == {bucket(t_, n, t)[:2] for n, t in grid}
         assert calls[0::2] == calls[1::2]  # a run outside the capture, then the captured one
+        assert set(modes) == {"thread_local"}  # the worker's other threads may use CUDA meanwhile
         ids, cu = torch.zeros(t_.graph_tokens, dtype=torch.int32), torch.zeros(t_.graph_texts + 1, dtype=torch.int32)
         cu[1] = 5
         key = bucket(t_, 1, 5)[:2]
