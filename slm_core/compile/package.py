@@ -83,26 +83,28 @@ def build_package(
             lambda: check_compiled(eager, compiled),
         )
         check["cuda_graphs"]["captured"] = len(compiled.context.replay.graphs)
+    up = package.REFERENCE_PRECISION.get(task.spec.precision)
+    if reference and up is None:
+        raise SpecError(f"a {task.spec.precision} build has no higher precision for an accuracy reference")
+    higher = None  # the task one precision up, eager: the FP8 gate's bf16 and the guard's reference
+    if task.spec.precision == "fp8-static" or reference:
+        spec_up = prepare(ckpt, dataclasses.replace(task.spec, precision=up), runtime)
+        higher = Runtime(build_graph(ckpt, spec_up, runtime), spec_up, dev)
     fp8 = None
     if task.spec.precision == "fp8-static":  # what serves, against the same task in bf16
-        bf16 = prepare(ckpt, dataclasses.replace(task.spec, precision="bf16"), runtime)
-        reference = Runtime(build_graph(ckpt, bf16, runtime), bf16, dev)
-        fp8 = step("accuracy gate: compiled fp8-static against bf16", lambda: fp8_gate(reference, compiled, gate))
+        fp8 = step("accuracy gate: compiled fp8-static against bf16", lambda: fp8_gate(higher, compiled, gate))
         progress(f"accuracy gate passed: {fp8}")
     reference_node = None
     if reference:
-        up = package.REFERENCE_PRECISION.get(task.spec.precision)
-        if up is None:
-            raise SpecError(f"a {task.spec.precision} build has no higher precision for an accuracy reference")
-        higher = prepare(ckpt, dataclasses.replace(task.spec, precision=up), runtime)
-        ref_graph = build_graph(ckpt, higher, runtime)
         ref_path = step(
             f"AOTInductor compile of the accuracy guard's reference ({up})",
-            lambda: compile_package(export_graph(ref_graph, higher), str(out_dir / package.REFERENCE), progress),
+            lambda: compile_package(
+                export_graph(higher.graph, higher.task), str(out_dir / package.REFERENCE), progress
+            ),
         )
         ref_check = step(
             "checking the reference against its eager graph",
-            lambda: check_compiled(Runtime(ref_graph, higher, dev), Runtime(load_graph(ref_path), higher, dev)),
+            lambda: check_compiled(higher, Runtime(load_graph(ref_path), higher.task, dev)),
         )
         reference_node = {"file": package.REFERENCE, "precision": up, "check": ref_check}
     call_ms = step("timing calls at the token bounds (1, 2, 4 ... max_batch requests)", lambda: time_calls(compiled))
