@@ -164,10 +164,11 @@ def publish(
 
     check_version(version)
     task = _catalog_task(Path(archive), catalog_file)
-    target = CatalogStore(store).publish(task.catalog, version, str(Path(catalog_file).resolve()))
+    versions = CatalogStore(store)
+    target = versions.publish(task.catalog, version, str(Path(catalog_file).resolve()))
     progress(f"published {target}: {task.catalog.summary()}")
     if activate:
-        CatalogStore(store).activate(version)
+        versions.activate(version)
         progress(f"activated {version}: workers following {store} serve it within a second")
     return target
 

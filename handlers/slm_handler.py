@@ -220,9 +220,8 @@ class SlmHandler:
         if package.get("reference") and serving.accuracy_sample > 0:
             # loaded now, before the worker serves: a package's load holds the interpreter for
             # seconds, which in the guard's thread would stall the calls
-            reference = reference_engine(model_dir, self.engine.task, self.engine.device)
             self.guard = AccuracyGuard(
-                lambda task: reference,
+                reference_engine(model_dir, self.engine.task, self.engine.device),
                 serving.accuracy_sample,
                 serving.accuracy_max_diff,
                 serving.accuracy_min_shared,

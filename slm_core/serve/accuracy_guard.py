@@ -2,12 +2,12 @@
 engine of higher precision (the archive's reference graph: bf16 for an fp8-static archive, fp32 for
 a bf16 one), and each served answer compared with the reference's (Task.difference).
 
-    guard = AccuracyGuard(lambda task: reference_engine, share=0.001, max_diff=0.05, min_shared=0.6).start()
+    guard = AccuracyGuard(reference_engine, share=0.001, max_diff=0.05, min_shared=0.6).start()
     guard.offer(request_id, value, answer, task)   # after a call, each request: sampled at `share`
     guard.drain()                            # the comparisons done since the last drain
 
 The reference runs in a thread of its own, on its own request context (and CUDA stream), one
-sampled request at a time (`reference(task)` gives its engine, asked once). A sampled request
+sampled request at a time. A sampled request
 that finds GUARD_QUEUE others waiting is dropped (counted): the guard never holds back serving.
 A comparison breaches when the task's FP8 gate, applied to
 that one request with the spec's thresholds, fails (Task.gate): |Δp| above max_diff for score
@@ -18,7 +18,6 @@ import logging
 import queue
 import random
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,15 +40,12 @@ class Comparison:
 
 
 class AccuracyGuard:
-    def __init__(
-        self, reference: Callable[[Any], Any], share: float, max_diff: float, min_shared: float, seed: int | None = None
-    ):
-        self.reference = reference  # task -> the reference engine (a Runtime) for it, built on first use
+    def __init__(self, reference: Any, share: float, max_diff: float, min_shared: float, seed: int | None = None):
+        self.reference = reference  # the reference engine (a Runtime), loaded with the worker
         self.share = share
         self.max_diff, self.min_shared = max_diff, min_shared
         self.dropped = 0  # sampled requests the guard had no room for
         self.failed = 0  # reference calls that failed
-        self._engine = None
         self._random = random.Random(seed)
         self._queue: queue.Queue = queue.Queue(GUARD_QUEUE)
         self._done: list[Comparison] = []
@@ -102,9 +98,7 @@ class AccuracyGuard:
                 self._queue.task_done()
 
     def compare(self, request_id: str, value: Any, answer: Any, task: Any) -> Comparison:
-        if self._engine is None:
-            self._engine = self.reference(task)
-        engine = self._engine
+        engine = self.reference
         if engine.task.data_version != task.data_version:  # a catalog swapped since: the same one
             engine.swap(task)
         want = engine.run_one(value)

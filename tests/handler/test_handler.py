@@ -332,7 +332,7 @@ def test_the_accuracy_guard_histograms_move_when_the_served_graph_is_perturbed(a
     handler.initialize(ctx)
     assert handler.guard is None
     reference = Engine.from_package(archives["tiny_score"])
-    handler.guard = AccuracyGuard(lambda task: reference, share=1.0, max_diff=0.01, min_shared=0.6).start()
+    handler.guard = AccuracyGuard(reference, share=1.0, max_diff=0.01, min_shared=0.6).start()
     batch = [
         {"body": b'{"texts": ["search engines", "a"]}'},
         {"body": b'{"texts": ["the lazy dog"]}'},

@@ -146,7 +146,7 @@ def test_fp8_score_build_compiles_matches_eager_and_records_its_gate(random_chec
         reference.run_one(["search engines rank documents"]), bf16.score(["search engines rank documents"])
     ):
         assert row == pytest.approx(ref, abs=LabelsTask.tolerance["bf16"])
-    guard = AccuracyGuard(lambda task: reference, share=1.0, max_diff=0.1, min_shared=0.6)
+    guard = AccuracyGuard(reference, share=1.0, max_diff=0.1, min_shared=0.6)
     guard.start()
     for k, texts in enumerate((["search engines rank documents", "a"], ["the lazy dog"])):
         assert guard.offer(f"r{k}", texts, served.run_one(texts), served.task)
