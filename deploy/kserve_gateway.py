@@ -169,12 +169,16 @@ class Gateway:
             return error(404, why)
         return reply(200, {"name": name, "ready": True}) if why is None else error(503, why, name=name, ready=False)
 
-    async def server_ready(self, request: web.Request) -> web.Response:
+    async def unready_reasons(self) -> list[str]:
+        """Why the server is not ready (draining, no model, a model without a ready worker); [] when it is."""
         if drain_file().exists():
-            return error(503, DRAINING, ready=False)
+            return [DRAINING]
         names = await self.names()
         found = await asyncio.gather(*(self.why_unready(name) for name in names))
-        reasons = [why for _, why in found if why] or ([] if names else ["no model registered"])
+        return [why for _, why in found if why] or ([] if names else ["no model registered"])
+
+    async def server_ready(self, request: web.Request) -> web.Response:
+        reasons = await self.unready_reasons()
         return error(503, "; ".join(reasons), ready=False) if reasons else reply(200, {"ready": True})
 
     async def model_metadata(self, name: str, version: "str | None") -> tuple[int, Any]:

@@ -9,14 +9,12 @@ its X-Slm-* headers the call's trailing metadata. A call's deadline is the soone
 deadline and its `x-slm-deadline-ms` metadata (REST's X-Slm-Deadline-Ms).
 """
 
-import asyncio
 import json
 import struct
 from typing import Any
 
 import grpc
 import numpy as np
-from drain import drain_file  # deploy/drain.py, beside this file
 from kserve_gateway import named, path, server_version, torchserve_refusal, unregistered
 from open_inference import METHODS, SERVICE, pb  # deploy/open_inference.py, beside this file
 
@@ -130,11 +128,7 @@ class OpenInference:
         return pb.ServerLiveResponse(live=True)
 
     async def ServerReady(self, request, context):
-        if drain_file().exists():
-            return pb.ServerReadyResponse(ready=False)
-        names = await self.gateway.names()
-        found = await asyncio.gather(*(self.gateway.why_unready(name) for name in names))
-        return pb.ServerReadyResponse(ready=bool(names) and all(why is None for _, why in found))
+        return pb.ServerReadyResponse(ready=not await self.gateway.unready_reasons())
 
     async def ModelReady(self, request, context):
         status, why = await self.gateway.why_unready(request.name, request.version or None)
