@@ -17,14 +17,23 @@ Variants:
   cuBLAS projections);
 - "bf16 cuBLASLt": the same, its GEMMs through cuBLASLt's heuristics instead of cuBLAS's
   (`torch.backends.cuda.preferred_blas_library`, read at each call);
+- "bf16 fused": the decode layer-step as four Triton GEMMs with the norms, bias, RoPE, SiLU·up
+  and residual adds fused in, and the attention (Block.decode_fused, slm_kernels.fused_linear),
+  at fused_linear.TILES;
+- "bf16 fused, tuned": the same at the tiles the op table below found fastest per projection;
 - "fp8-static": the same as "bf16" with qkv, gate/up and down in E4M3 with one scale per tensor
   (slm_core.compile.fp8), the input scales calibrated on the bench's own inputs.
 A candidate joins as another variant: a function of the bf16 model that returns the model to time.
+
+Before the variants, the op table times each fused projection alone over the 24 layers' weights
+(each layer's from HBM) at each row count, for each of TILE_CANDIDATES, beside cuBLAS's GEMM of
+the same shape (F.linear, without the work fused around it) and the weights' read floor.
 
     python -m bench.step_bench --out FILE.json [--rows 100,200,400,800]
 """
 
 import argparse
+import copy
 import json
 
 import torch
@@ -132,10 +141,120 @@ def measure(model: Transformer, rows_list: list[int], gbps: float) -> dict:
     return out
 
 
+# Tiles for slm_kernels.fused_linear to try per projection: block_m, block_n, block_k, num_warps,
+# num_stages, and the split-K target (0: the SM count).
+TILE_CANDIDATES = [
+    (128, 32, 64, 4, 3, 0),
+    (64, 32, 64, 4, 3, 0),
+    (128, 16, 64, 4, 3, 0),
+    (128, 32, 128, 4, 3, 0),
+    (128, 32, 64, 4, 4, 264),
+    (128, 64, 64, 8, 3, 0),
+    (64, 16, 128, 4, 4, 264),
+    (128, 32, 64, 8, 4, 0),
+]
+TILE_KEYS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "programs")
+
+
+def fused_op_table(model: Transformer, rows_list: list[int], gbps: float) -> dict:
+    """Each fused projection alone, per row count and tile candidate: µs per layer over the 24
+    layers' weights, with cuBLAS's plain GEMM of the same shape and the read floor beside it."""
+    import torch.nn.functional as F
+
+    from slm_kernels.fused_linear import LOCKS, RESIDUAL, ROPE, SILU, _launch
+
+    s, n = model.spec, len(model.layers)
+    locks = torch.zeros(LOCKS, dtype=torch.int32, device="cuda")
+    table: dict = {}
+    for rows in rows_list:
+        torch.manual_seed(rows)
+        x = torch.randn(rows, s.hidden_size, device="cuda", dtype=torch.bfloat16)
+        o = torch.randn(rows, s.q_size, device="cuda", dtype=torch.bfloat16)
+        h = torch.randn(rows, s.intermediate_size, device="cuda", dtype=torch.bfloat16)
+        cos, sin = model._rope(torch.full((rows,), PROMPT, device="cuda"), torch.bfloat16)
+        q = torch.empty(rows, s.num_heads, s.head_dim, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.empty(rows, s.num_kv_heads, s.head_dim, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+        gu = torch.empty(rows, s.intermediate_size, device="cuda", dtype=torch.bfloat16)
+        y = torch.empty_like(x)
+        half, heads = s.head_dim // 2, s.num_heads + 2 * s.num_kv_heads
+
+        def qkv(layer, t):
+            t = {**t, "block_n": half if s.qk_norm else min(t["block_n"], half)}
+            a = layer.attn
+            qk = (a.q_norm.weight, a.k_norm.weight) if a.q_norm is not None else (None, None)
+            _launch(
+                x, a.qkv.weight, q, locks, heads * (half // t["block_n"]), a.qkv.weight.shape[0], ROPE,
+                norm_weight=layer.input_norm.weight, eps=s.rms_norm_eps, bias=a.qkv.bias, rope=(cos, sin),
+                qk_weights=qk, qk_eps=s.rms_norm_eps, kv_out=(k, v), heads=(s.num_heads, s.num_kv_heads, s.head_dim),
+                **t,
+            )  # fmt: skip
+
+        def gate_up(layer, t):
+            i, m = s.intermediate_size, layer.mlp
+            _launch(
+                x, m.gate_up.weight, gu, locks, -(-i // t["block_n"]), i, SILU, norm_weight=layer.post_norm.weight,
+                eps=s.rms_norm_eps, bias=m.gate_up.bias, **t,
+            )  # fmt: skip
+
+        def proj(inp, linear):
+            return lambda layer, t: _launch(
+                inp, linear(layer).weight, y, locks, -(-s.hidden_size // t["block_n"]), s.hidden_size, RESIDUAL,
+                bias=linear(layer).bias, residual=x, **t,
+            )  # fmt: skip
+
+        ops = {  # op: (launch, the projection's input and module)
+            "qkv": (qkv, x, lambda layer: layer.attn.qkv),
+            "gate_up": (gate_up, x, lambda layer: layer.mlp.gate_up),
+            "o": (proj(o, lambda layer: layer.attn.o), o, lambda layer: layer.attn.o),
+            "down": (proj(h, lambda layer: layer.mlp.down), h, lambda layer: layer.mlp.down),
+        }
+        for op, (launch, inp, linear) in ops.items():
+            floor = weight_bytes(linear(model.layers[0])) / gbps / 1e3
+            cublas = graph_ms(lambda: [F.linear(inp, linear(ly).weight, linear(ly).bias) for ly in model.layers], 2)
+            entry = {"floor_us": floor, "cublas_gemm_us": cublas * 1e3 / n, "tiles": {}}
+            for cand in TILE_CANDIDATES:
+                t = dict(zip(TILE_KEYS, cand))
+                try:
+                    entry["tiles"][str(cand)] = graph_ms(lambda: [launch(ly, t) for ly in model.layers], 2) * 1e3 / n
+                except Exception as e:  # a tile that does not compile (shared memory) is reported
+                    entry["tiles"][str(cand)] = f"{type(e).__name__}: {e}"[:200]
+            table.setdefault(op, {})[rows] = entry
+    return table
+
+
+def best_tiles(table: dict) -> dict:
+    """Per op, the candidate with the least µs summed over the row counts."""
+    best = {}
+    for op, by_rows in table.items():
+        totals = {}
+        for entry in by_rows.values():
+            for cand, us in entry["tiles"].items():
+                totals[cand] = totals.get(cand, 0.0) + (us if isinstance(us, float) else float("inf"))
+        cand = min(totals, key=totals.get)
+        best[op] = dict(zip(TILE_KEYS, eval(cand)))  # noqa: S307 - our own str(tuple of ints)
+    return best
+
+
+def fused(model: Transformer) -> Transformer:
+    """model (a shallow copy: the weights are shared) decoding through Block.decode_fused."""
+    return copy.copy(model).fuse_decode()
+
+
+def fused_tuned(model: Transformer) -> Transformer:
+    from slm_kernels import fused_linear
+
+    fused_linear.TILES.update(TUNED)
+    return fused(model)
+
+
+TUNED: dict = {}  # best_tiles of this run's op table
+
 # name: (the model to time from the bf16 model, the BLAS library its GEMMs go through)
 VARIANTS = {
     "bf16": (lambda model: model, "cublas"),
     "bf16 cuBLASLt": (lambda model: model, "cublaslt"),
+    "bf16 fused": (fused, "cublas"),
+    "bf16 fused, tuned": (fused_tuned, "cublas"),
     "fp8-static": (fp8_static, "cublas"),
 }
 
@@ -157,6 +276,15 @@ def main() -> None:
     }
     print(f"HBM read rate {gbps:.0f} GB/s")
     model = random_model()
+    table = fused_op_table(model, rows_list, gbps)
+    TUNED.update(best_tiles(table))
+    results["fused_op_table"], results["tuned_tiles"] = table, TUNED
+    for op, by_rows in table.items():
+        print(f"\n{op}: us per layer; tiles {TILE_KEYS}")
+        for rows, e in by_rows.items():
+            tiles = "  ".join(f"{c}:{us:.2f}" if isinstance(us, float) else f"{c}:err" for c, us in e["tiles"].items())
+            print(f"  {rows:4d} rows: floor {e['floor_us']:.2f}, cuBLAS GEMM {e['cublas_gemm_us']:.2f} | {tiles}")
+    print(f"\ntuned tiles: {TUNED}")
     reference: dict[int, torch.Tensor] = {}
     for name, (make, library) in VARIANTS.items():  # in order: each variant may change the model in place
         try:

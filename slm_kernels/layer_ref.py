@@ -54,6 +54,39 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def norm_qkv_rope_ref(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    qk_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode layer-step's attention input: RMSNorm(x), the fused QKV projection, qkv_rope_ref."""
+    qkv = F.linear(rms_norm_ref(x, norm_weight, eps), weight, bias)
+    return qkv_rope_ref(qkv, cos, sin, heads, kv_heads, q_weight, k_weight, qk_eps)
+
+
+def norm_gate_up_silu_ref(
+    x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The MLP's first half: RMSNorm(x), the fused gate/up projection, silu_mul_ref."""
+    return silu_mul_ref(F.linear(rms_norm_ref(x, norm_weight, eps), weight, bias))
+
+
+def linear_residual_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor
+) -> torch.Tensor:
+    """residual + x W^T (+ bias): the o- and down-projections with their residual adds."""
+    return residual + F.linear(x, weight, bias)
+
+
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
 
 

@@ -139,6 +139,27 @@ class Block(nn.Module):
         x = x + a
         return x + self.mlp(self.post_norm(x)), kv
 
+    def decode_fused(self, x, cos, sin, prefix: KV, prefix_cu, suffix: KV | None, locks) -> tuple[torch.Tensor, KV]:
+        """Attention.decode and the MLP over x in four Triton kernels and the attention
+        (slm_kernels.fused_linear): the norms, bias, QK-norm, RoPE, SiLU·up and residual adds
+        inside the projections' GEMMs. Needs bf16 (or fp32) nn.Linear projections."""
+        from slm_kernels.fused_linear import linear_residual, norm_gate_up_silu, norm_qkv_rope
+
+        a, s = self.attn, self.attn.spec
+        qk = (a.q_norm.weight, a.k_norm.weight) if a.q_norm is not None else (None, None)
+        eps = s.rms_norm_eps
+        q, k, v = norm_qkv_rope(
+            x, self.input_norm.weight, eps, a.qkv.weight, a.qkv.bias, cos, sin, s.num_heads, s.num_kv_heads, *qk,
+            eps, locks,
+        )  # fmt: skip
+        k, v = k[:, None], v[:, None]
+        if suffix is not None:
+            k, v = torch.cat([suffix[0], k], dim=1), torch.cat([suffix[1], v], dim=1)
+        o = a.ops.prefix_attention(q, prefix[0], prefix[1], k, v, a.scale, prefix_cu)
+        x = linear_residual(o.flatten(1), a.o.weight, a.o.bias, x, locks, "o")
+        h = norm_gate_up_silu(x, self.post_norm.weight, eps, self.mlp.gate_up.weight, self.mlp.gate_up.bias, locks)
+        return linear_residual(h, self.mlp.down.weight, self.mlp.down.bias, x, locks, "down"), (k, v)
+
 
 class Transformer(nn.Module):
     def __init__(self, spec: ModelSpec, max_positions: int, kernels: str = "reference"):
@@ -150,6 +171,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.max_positions = max_positions
+        self.fused_decode = False  # fuse_decode()
         self.register_buffer("cos", torch.empty(max_positions, spec.head_dim), persistent=False)
         self.register_buffer("sin", torch.empty(max_positions, spec.head_dim), persistent=False)
         self.finish()
@@ -164,6 +186,15 @@ class Transformer(nn.Module):
         angles = torch.cat([angles, angles], dim=-1).to(self.cos.device)
         self.cos = angles.cos()
         self.sin = angles.sin()
+
+    def fuse_decode(self) -> "Transformer":
+        """Decode through Block.decode_fused, with the split-K counters its kernels share (zeros,
+        left zero by every call)."""
+        from slm_kernels.fused_linear import LOCKS
+
+        self.register_buffer("locks", torch.zeros(LOCKS, dtype=torch.int32, device=self.cos.device), persistent=False)
+        self.fused_decode = True
+        return self
 
     @classmethod
     def empty(
@@ -222,7 +253,10 @@ class Transformer(nn.Module):
         grown = []
         for i, layer in enumerate(self.layers):
             past = None if suffix is None else suffix[i]
-            x, kv = layer.run(x, lambda h, a=layer.attn, p=prefix[i]: a.decode(h, cos, sin, p, prefix_cu, past))
+            if self.fused_decode:
+                x, kv = layer.decode_fused(x, cos, sin, prefix[i], prefix_cu, past, self.locks)
+            else:
+                x, kv = layer.run(x, lambda h, a=layer.attn, p=prefix[i]: a.decode(h, cos, sin, p, prefix_cu, past))
             grown.append(kv)
         return x, grown
 

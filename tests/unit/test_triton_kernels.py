@@ -170,6 +170,89 @@ def test_silu_mul_matches_reference_in_interpreter():
     assert len(errors) == len(cases) and max(errors) < 1e-5, errors
 
 
+FUSED_LINEAR_CHECK = r"""
+import json, sys, torch
+from slm_kernels.fused_linear import LOCKS, linear_residual, norm_gate_up_silu, norm_qkv_rope
+from slm_kernels.layer_ref import linear_residual_ref, norm_gate_up_silu_ref, norm_qkv_rope_ref
+out = []
+for t, hidden, inner, (hq, hkv, d), qk_norm, bias, block_m, programs in json.loads(sys.argv[1]):
+    torch.manual_seed(t + hidden)
+    locks = torch.zeros(LOCKS, dtype=torch.int32)
+    x, nw = torch.randn(t, hidden), torch.rand(hidden) + 0.5
+    wqkv = torch.randn((hq + 2 * hkv) * d, hidden) / hidden**0.5
+    bqkv = torch.randn(wqkv.shape[0]) if bias else None
+    angles = torch.rand(t, d // 2) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    qk = (torch.rand(d) + 0.5, torch.rand(d) + 0.5) if qk_norm else (None, None)
+    want = norm_qkv_rope_ref(x, nw, 1e-6, wqkv, bqkv, cos, sin, hq, hkv, *qk, 1e-6)
+    errors = []
+    for block_n in (d // 2,) if qk_norm else (d // 2, d // 4):  # whole half-heads; quarter heads
+        got = norm_qkv_rope(x, nw, 1e-6, wqkv, bqkv, cos, sin, hq, hkv, *qk, 1e-6, locks, block_m, block_n, programs)
+        errors += [(g - w).abs().max().item() for g, w in zip(got, want)]
+    wgu = torch.randn(2 * inner, hidden) / hidden**0.5
+    bgu = torch.randn(2 * inner) if bias else None
+    h = norm_gate_up_silu(x, nw, 1e-6, wgu, bgu, locks, block_m, 16, programs)
+    errors.append((h - norm_gate_up_silu_ref(x, nw, 1e-6, wgu, bgu)).abs().max().item())
+    wd = torch.randn(hidden, inner) / inner**0.5
+    bd = torch.randn(hidden) if bias else None
+    y = linear_residual(h, wd, bd, x, locks, "down", block_m, 16, programs)
+    errors.append((y - linear_residual_ref(h, wd, bd, x)).abs().max().item())
+    out.append({"error": max(errors), "locks_zero": not locks.any().item()})
+print(json.dumps(out))
+"""
+
+
+def test_fused_linear_matches_reference_in_interpreter():
+    """The decode layer-step's fused projections against their references: with and without bias
+    and QK-norm, rows not a multiple of the row tile, K split across programs (case 3: 4 splits of
+    two tiles each, summed by the last to arrive) or not, and the split counters zero after."""
+    cases = [
+        (5, 64, 48, (4, 2, 16), False, True, 16, 8),  # GQA, biases, quarter-head RoPE tiles
+        (3, 96, 40, (2, 1, 32), True, False, 16, 1),  # QK-norm (Qwen3), no split
+        (20, 128, 64, (3, 1, 16), False, False, 16, 64),  # MQA, two row tiles, split K
+    ]
+    results = run_check(FUSED_LINEAR_CHECK, cases)
+    assert all(r["error"] < 1e-4 and r["locks_zero"] for r in results), results
+
+
+FUSED_DECODE_CHECK = r"""
+import json, sys, torch
+from slm_core.compile.model import Transformer
+from slm_core.spec import ModelSpec, RopeSpec
+out = {}
+for arch, heads, kv_heads, d, bias, qk_norm in json.loads(sys.argv[1]):
+    spec = ModelSpec(arch, 300, 64, 2, heads, kv_heads, d, 96, 1e-6, RopeSpec(10000.0), True,
+                     qkv_bias=bias, o_bias=bias, mlp_bias=bias, qk_norm=qk_norm)
+    torch.manual_seed(0)
+    model = Transformer.empty(spec, 64, torch.float32, "cpu")
+    for name, p in model.named_parameters():
+        p.normal_(1.0 if "norm" in name else 0.0, 0.1 if "norm" in name else 0.2)
+    width, prompts, s = 3, [5, 2], 2
+    rows = width * len(prompts)
+    prefix = [tuple(torch.randn(sum(prompts), kv_heads, d) for _ in "kv") for _ in model.layers]
+    suffix = [tuple(torch.randn(rows, s, kv_heads, d) for _ in "kv") for _ in model.layers]
+    cu = torch.tensor([0] + prompts).cumsum(0).to(torch.int32)
+    ids = torch.randint(0, 300, (rows,))
+    pos = torch.tensor([p + s for p in prompts for _ in range(width)])
+    for past in (None, suffix):  # the first decode step and a later one
+        model.fused_decode = False
+        want, want_kv = model.decode(ids, pos, prefix, cu, past)
+        got, got_kv = model.fuse_decode().decode(ids, pos, prefix, cu, past)
+        errors = [(got - want).abs().max().item()]
+        errors += [(g - w).abs().max().item() for a, b in zip(got_kv, want_kv) for g, w in zip(a, b)]
+        out.setdefault(arch, []).append(max(errors) / want.abs().max().item())
+print(json.dumps(out))
+"""
+
+
+def test_fused_decode_equals_the_model_in_interpreter():
+    """Transformer.decode through Block.decode_fused equals the model's own decode: hidden states and
+    grown K/V, GQA with all biases (qwen2), QK-norm (qwen3), MQA (llama)."""
+    result = run_check(FUSED_DECODE_CHECK, [["qwen2", 4, 2, 16, True, False], ["qwen3", 2, 1, 32, False, True],
+                                           ["llama", 4, 1, 16, True, False]])  # fmt: skip
+    assert all(max(errors) < 1e-5 for errors in result.values()), result
+
+
 TOPK_CHECK = r"""
 import json, sys, torch
 from slm_kernels.vocab_topk import vocab_topk
