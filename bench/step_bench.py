@@ -15,8 +15,6 @@ the next step's reordering gather: those kernels are listed, and count here, not
 Variants:
 - "bf16": the graphs' decode (the Triton attention, QK-norm + RoPE and SiLU * up kernels,
   cuBLAS projections);
-- "bf16 cuBLASLt": the same, its GEMMs through cuBLASLt's heuristics instead of cuBLAS's
-  (`torch.backends.cuda.preferred_blas_library`, read at each call);
 - "bf16 fused": the decode layer-step as four Triton GEMMs with the norms, bias, RoPE, SiLU·up
   and residual adds fused in, and the attention (Block.decode_fused, slm_kernels.fused_linear),
   at fused_linear.TILES;
@@ -38,7 +36,7 @@ import json
 
 import torch
 
-from bench.kernels_bench import blas, graph_ms
+from bench.kernels_bench import graph_ms
 from bench.workloads import QWEN25_05B
 from slm_core.compile.fp8 import calibrate, quantize_linears
 from slm_core.compile.model import Transformer
@@ -113,15 +111,21 @@ def weight_bytes(module: torch.nn.Module) -> int:
     )
 
 
-def measure(model: Transformer, rows_list: list[int], gbps: float) -> dict:
-    """The layer-step and the whole step of model at each row count."""
+def measure(model: Transformer, rows_list: list[int], gbps: float, compiled: bool = True) -> dict:
+    """The layer-step and the whole step of model at each row count; the layers compiled by
+    Inductor, or eager (compiled=False: each op its own kernels, still replayed from a CUDA graph)."""
     from slm_kernels.vocab_topk import vocab_topk
 
-    layers = torch.compile(
-        lambda ids, pos, prefix, cu, suffix: model.decode(ids, pos, prefix, cu, suffix)[0], dynamic=True, fullgraph=True
-    )
+    def decode(ids, pos, prefix, cu, suffix):
+        return model.decode(ids, pos, prefix, cu, suffix)[0]
+
+    layers = torch.compile(decode, dynamic=True, fullgraph=True) if compiled else decode
     head = torch.compile(lambda hidden: vocab_topk(model.logits(hidden), 2 * WIDTH), dynamic=True, fullgraph=True)
     n, layer = len(model.layers), weight_bytes(model.layers[0])
+    if model.fused_decode:  # its folded copies are read instead of these
+        layer -= sum(
+            w.numel() * w.element_size() for w in (model.layers[0].attn.qkv.weight, model.layers[0].mlp.gate_up.weight)
+        )
     out = {}
     for rows in rows_list:
         args = step_inputs(model, rows)
@@ -146,12 +150,11 @@ def measure(model: Transformer, rows_list: list[int], gbps: float) -> dict:
 TILE_CANDIDATES = [
     (128, 32, 64, 4, 3, 0),
     (64, 32, 64, 4, 3, 0),
-    (128, 16, 64, 4, 3, 0),
-    (128, 32, 128, 4, 3, 0),
-    (128, 32, 64, 4, 4, 264),
     (128, 64, 64, 8, 3, 0),
-    (64, 16, 128, 4, 4, 264),
-    (128, 32, 64, 8, 4, 0),
+    (64, 64, 64, 4, 4, 0),
+    (128, 64, 128, 8, 3, 0),
+    (128, 128, 64, 8, 3, 0),
+    (128, 32, 64, 4, 4, 264),
 ]
 TILE_KEYS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "programs")
 
@@ -161,14 +164,19 @@ def fused_op_table(model: Transformer, rows_list: list[int], gbps: float) -> dic
     layers' weights, with cuBLAS's plain GEMM of the same shape and the read floor beside it."""
     import torch.nn.functional as F
 
-    from slm_kernels.fused_linear import LOCKS, RESIDUAL, ROPE, SILU, _launch
+    from slm_kernels.fused_linear import LOCKS, RESIDUAL, ROPE, SILU, _launch, fold_norm
 
     s, n = model.spec, len(model.layers)
     locks = torch.zeros(LOCKS, dtype=torch.int32, device="cuda")
+    folded = [
+        (fold_norm(ly.attn.qkv.weight, ly.input_norm.weight), fold_norm(ly.mlp.gate_up.weight, ly.post_norm.weight))
+        for ly in model.layers
+    ]
     table: dict = {}
     for rows in rows_list:
         torch.manual_seed(rows)
         x = torch.randn(rows, s.hidden_size, device="cuda", dtype=torch.bfloat16)
+        sumsq = x.float().pow(2).sum(-1)[None]
         o = torch.randn(rows, s.q_size, device="cuda", dtype=torch.bfloat16)
         h = torch.randn(rows, s.intermediate_size, device="cuda", dtype=torch.bfloat16)
         cos, sin = model._rope(torch.full((rows,), PROMPT, device="cuda"), torch.bfloat16)
@@ -176,30 +184,30 @@ def fused_op_table(model: Transformer, rows_list: list[int], gbps: float) -> dic
         k, v = (torch.empty(rows, s.num_kv_heads, s.head_dim, device="cuda", dtype=torch.bfloat16) for _ in "kv")
         gu = torch.empty(rows, s.intermediate_size, device="cuda", dtype=torch.bfloat16)
         y = torch.empty_like(x)
+        y_sumsq = torch.empty(s.hidden_size // 16, rows, device="cuda")  # room for block_n >= 16
         half, heads = s.head_dim // 2, s.num_heads + 2 * s.num_kv_heads
 
-        def qkv(layer, t):
+        def qkv(i, t):
             t = {**t, "block_n": half if s.qk_norm else min(t["block_n"], half)}
-            a = layer.attn
+            a = model.layers[i].attn
             qk = (a.q_norm.weight, a.k_norm.weight) if a.q_norm is not None else (None, None)
             _launch(
-                x, a.qkv.weight, q, locks, heads * (half // t["block_n"]), a.qkv.weight.shape[0], ROPE,
-                norm_weight=layer.input_norm.weight, eps=s.rms_norm_eps, bias=a.qkv.bias, rope=(cos, sin),
-                qk_weights=qk, qk_eps=s.rms_norm_eps, kv_out=(k, v), heads=(s.num_heads, s.num_kv_heads, s.head_dim),
-                **t,
+                x, folded[i][0], q, locks, heads * (half // t["block_n"]), folded[i][0].shape[0], ROPE, sumsq=sumsq,
+                eps=s.rms_norm_eps, bias=a.qkv.bias, rope=(cos, sin), qk_weights=qk, qk_eps=s.rms_norm_eps,
+                kv_out=(k, v), heads=(s.num_heads, s.num_kv_heads, s.head_dim), **t,
             )  # fmt: skip
 
-        def gate_up(layer, t):
-            i, m = s.intermediate_size, layer.mlp
+        def gate_up(i, t):
+            inner = s.intermediate_size
             _launch(
-                x, m.gate_up.weight, gu, locks, -(-i // t["block_n"]), i, SILU, norm_weight=layer.post_norm.weight,
-                eps=s.rms_norm_eps, bias=m.gate_up.bias, **t,
+                x, folded[i][1], gu, locks, -(-inner // t["block_n"]), inner, SILU, sumsq=sumsq, eps=s.rms_norm_eps,
+                bias=model.layers[i].mlp.gate_up.bias, **t,
             )  # fmt: skip
 
         def proj(inp, linear):
-            return lambda layer, t: _launch(
-                inp, linear(layer).weight, y, locks, -(-s.hidden_size // t["block_n"]), s.hidden_size, RESIDUAL,
-                bias=linear(layer).bias, residual=x, **t,
+            return lambda i, t: _launch(
+                inp, linear(model.layers[i]).weight, y, locks, -(-s.hidden_size // t["block_n"]), s.hidden_size,
+                RESIDUAL, bias=linear(model.layers[i]).bias, residual=x, sumsq_out=y_sumsq, **t,
             )  # fmt: skip
 
         ops = {  # op: (launch, the projection's input and module)
@@ -215,7 +223,7 @@ def fused_op_table(model: Transformer, rows_list: list[int], gbps: float) -> dic
             for cand in TILE_CANDIDATES:
                 t = dict(zip(TILE_KEYS, cand))
                 try:
-                    entry["tiles"][str(cand)] = graph_ms(lambda: [launch(ly, t) for ly in model.layers], 2) * 1e3 / n
+                    entry["tiles"][str(cand)] = graph_ms(lambda: [launch(i, t) for i in range(n)], 2) * 1e3 / n
                 except Exception as e:  # a tile that does not compile (shared memory) is reported
                     entry["tiles"][str(cand)] = f"{type(e).__name__}: {e}"[:200]
             table.setdefault(op, {})[rows] = entry
@@ -249,13 +257,12 @@ def fused_tuned(model: Transformer) -> Transformer:
 
 TUNED: dict = {}  # best_tiles of this run's op table
 
-# name: (the model to time from the bf16 model, the BLAS library its GEMMs go through)
+# name: the model to time, from the bf16 model
 VARIANTS = {
-    "bf16": (lambda model: model, "cublas"),
-    "bf16 cuBLASLt": (lambda model: model, "cublaslt"),
-    "bf16 fused": (fused, "cublas"),
-    "bf16 fused, tuned": (fused_tuned, "cublas"),
-    "fp8-static": (fp8_static, "cublas"),
+    "bf16": lambda model: model,
+    "bf16 fused": fused,
+    "bf16 fused, tuned": fused_tuned,
+    "fp8-static": fp8_static,
 }
 
 
@@ -286,14 +293,20 @@ def main() -> None:
             print(f"  {rows:4d} rows: floor {e['floor_us']:.2f}, cuBLAS GEMM {e['cublas_gemm_us']:.2f} | {tiles}")
     print(f"\ntuned tiles: {TUNED}")
     reference: dict[int, torch.Tensor] = {}
-    for name, (make, library) in VARIANTS.items():  # in order: each variant may change the model in place
+    for name, make in VARIANTS.items():  # in order: each variant may change the model in place
+        variant = make(model)
         try:
-            with blas(library):
-                out = measure(make(model), rows_list, gbps)
-        except Exception as e:  # a variant that does not compile or capture is reported, the rest go on
+            out = measure(variant, rows_list, gbps)
+        except Exception as e:  # a variant that does not compile is reported, and measured eager
+            print(f"\n{name}: {type(e).__name__}: {str(e)[:2000]}")
             results["variants"][name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
-            print(f"\n{name}: {results['variants'][name]['error']}")
-            continue
+            name += " (eager)"
+            try:
+                out = measure(variant, rows_list, gbps, compiled=False)
+            except Exception as e:  # nor runs eager: reported, the rest go on
+                results["variants"][name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+                print(f"\n{name}: {results['variants'][name]['error']}")
+                continue
         print(f"\n{name}")
         for rows, r in out.items():
             hidden = r.pop("hidden")

@@ -1,22 +1,28 @@
 """A decode layer-step's projections with the work around them fused in: one Triton GEMM
-y = x W^T (+ b) whose prologue RMS-normalises x and whose epilogue finishes the step.
-References: slm_kernels.layer_ref (norm_qkv_rope_ref, norm_gate_up_silu_ref, linear_residual_ref).
+y = x W^T (+ b) whose epilogue finishes the step. References: slm_kernels.layer_ref
+(norm_qkv_rope_ref, norm_gate_up_silu_ref, linear_residual_ref).
 
 - norm_qkv_rope: RMSNorm -> QKV (+ bias) -> QK-norm (Qwen3) -> RoPE, writing q, k and v;
 - norm_gate_up_silu: RMSNorm -> gate/up (+ bias) -> SiLU(gate) * up;
-- linear_residual: residual + x W^T (+ bias) (the o- and down-projections).
-So a decode layer-step is these three kernels and the attention: five kernels, where cuBLAS GEMMs
-with Inductor's norms and adds between them take eleven to fourteen (bench.step_bench).
+- linear_residual: residual + x W^T (+ bias) (the o- and down-projections), and the sums of
+  squares of its output's rows, which the next norm needs.
+So a decode layer-step is these four kernels and the attention, where cuBLAS GEMMs with
+Inductor's norms and adds between them take eleven to fourteen (bench.step_bench).
 
 Why one GEMM kernel: the decode rows are few (100 to 800 beams), so every projection is skinny.
 Its cost is reading the weights and each kernel boundary, not arithmetic. Each program reads a
-disjoint slice of W once for all its rows.
+disjoint slice of W for all its rows.
 
 How:
-- The norm's scale is a per-row factor, so it is applied to the accumulator at the end:
-  x (.) w_norm is fed to tl.dot, the row's sum of squares gathered from the same loads, and
-  acc * rsqrt(mean(x^2) + eps) is the normalised projection. (transformers rounds the normalised x
-  to the model dtype before the weight; here the factor stays FP32, one rounding fewer.)
+- The K loop is a plain GEMM: tiles of x and W go from memory to the tensor cores through the
+  software pipeline (elementwise work on a tile inside the loop stops Triton from pipelining its
+  load, which measured 2-3x slower).
+- RMSNorm: its weight is folded into W's columns (W' = W diag(w_norm), fold_norm), and its
+  per-row factor rsqrt(mean(x^2) + eps) scales the accumulator in the epilogue. The sum of
+  squares of each row comes in as partial sums [P, T] from the kernel that wrote x (its column
+  tiles), or from the embedding for the first layer. (transformers rounds the normalised x to the
+  model dtype before the weight; here the factor stays FP32 and the weight is folded in the
+  model dtype: as many roundings, at other points.)
 - A program owns a tile of BLOCK_M rows and BLOCK_N output columns. Paired epilogues take two
   tiles of W at once: gate and up (columns j and I + j), or the two halves of a head's columns for
   RoPE (d and d + D/2), so the epilogue holds both halves.
@@ -41,27 +47,36 @@ RESIDUAL, SILU, ROPE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # the 
 # Counters a caller's `locks` buffer holds: one per (row tile, column tile) of a split call. A call
 # splits only when its tiles are at most half the target programs, so LOCKS bounds the target.
 LOCKS = 1024
-# Tiles and launch per op, read when a graph is traced. block_n: ROPE's is per half-head, at most
-# D/2 (the whole half with QK-norm); programs: the split-K target, 0 for the GPU's SM count.
+# Tiles and launch per op, read when a graph is traced: the fastest of bench.step_bench's op table
+# summed over 100-800 rows. block_n: ROPE's is per half-head, at most D/2 (the whole half with
+# QK-norm); programs: the split-K target, 0 for the GPU's SM count.
 TILES = {
-    op: dict(block_m=128, block_n=32, block_k=64, programs=0, num_warps=4, num_stages=3)
-    for op in ("qkv", "gate_up", "o", "down")
+    "qkv": dict(block_m=64, block_n=32, block_k=64, programs=0, num_warps=4, num_stages=3),
+    "gate_up": dict(block_m=128, block_n=64, block_k=64, programs=0, num_warps=8, num_stages=3),
+    "o": dict(block_m=64, block_n=32, block_k=64, programs=0, num_warps=4, num_stages=3),
+    "down": dict(block_m=128, block_n=32, block_k=64, programs=264, num_warps=4, num_stages=4),
 }
+
+
+def fold_norm(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
+    """W diag(w_norm) in W's dtype: the projection's weight with the RMSNorm weight before it folded in."""
+    return (weight.float() * norm_weight.float()[None, :]).to(weight.dtype)
 
 
 @triton.jit
 def _epilogue(
     acc1,
     acc2,
-    sumsq,
     m,
     row_ok,
     c1,
     c2,
     col_ok,
+    tile_n,
     head,
     b_ptr,
     res_ptr,
+    sq_ptr,
     cos_ptr,
     sin_ptr,
     qw_ptr,
@@ -69,6 +84,9 @@ def _epilogue(
     out_ptr,
     k_ptr,
     v_ptr,
+    sq_out_ptr,
+    rows,
+    sq_parts,
     eps,
     qk_eps,
     stride_res,
@@ -76,6 +94,7 @@ def _epilogue(
     N: tl.constexpr,
     K: tl.constexpr,
     NORM: tl.constexpr,
+    PARTS: tl.constexpr,
     BIAS: tl.constexpr,
     EPILOGUE: tl.constexpr,
     HEADS: tl.constexpr,
@@ -85,7 +104,9 @@ def _epilogue(
 ):
     dtype = out_ptr.dtype.element_ty
     if NORM:
-        r = tl.rsqrt((sumsq / K + eps).to(tl.float32))[:, None]  # AOTI may pass eps as fp64
+        p = tl.arange(0, PARTS)[:, None]
+        sq = tl.load(sq_ptr + p * rows + m[None, :], mask=(p < sq_parts) & row_ok[None, :], other=0.0)
+        r = tl.rsqrt((tl.sum(sq, 0) / K + eps).to(tl.float32))[:, None]  # AOTI may pass eps as fp64
         acc1 = acc1 * r
         acc2 = acc2 * r
     if BIAS:
@@ -97,7 +118,10 @@ def _epilogue(
     ok = row_ok[:, None] & col_ok[None, :]
     if EPILOGUE == RESIDUAL:
         res = tl.load(res_ptr + m[:, None] * stride_res + c1[None, :], mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + m[:, None] * N + c1[None, :], (y1 + res).to(dtype), mask=ok)
+        y = (y1 + res).to(dtype)
+        tl.store(out_ptr + m[:, None] * N + c1[None, :], y, mask=ok)
+        yf = tl.where(ok, y.to(tl.float32), 0.0)
+        tl.store(sq_out_ptr + tile_n * rows + m, tl.sum(yf * yf, 1), mask=row_ok)  # this tile's part of each row's
     elif EPILOGUE == SILU:
         act = (y1 / (1.0 + tl.exp(-y1))).to(dtype).to(tl.float32)
         tl.store(out_ptr + m[:, None] * N + c1[None, :], (act * y2).to(dtype), mask=ok)
@@ -132,10 +156,10 @@ def _epilogue(
 @triton.jit
 def _fused_linear_kernel(
     x_ptr,
-    nw_ptr,
     w_ptr,
     b_ptr,
     res_ptr,
+    sq_ptr,
     cos_ptr,
     sin_ptr,
     qw_ptr,
@@ -143,10 +167,12 @@ def _fused_linear_kernel(
     out_ptr,
     k_ptr,
     v_ptr,
+    sq_out_ptr,
     part_ptr,
     lock_ptr,
     rows,
     k_blocks,
+    sq_parts,
     eps,
     qk_eps,
     stride_x,
@@ -158,6 +184,7 @@ def _fused_linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NORM: tl.constexpr,
+    PARTS: tl.constexpr,
     BIAS: tl.constexpr,
     EPILOGUE: tl.constexpr,
     HEADS: tl.constexpr,
@@ -169,7 +196,8 @@ def _fused_linear_kernel(
     """Program (row tile, column tile, split): rows pid_m*BLOCK_M.., W rows c1 (and c2 when paired),
     k_blocks blocks of K columns from pid_k * k_blocks * BLOCK_K. N: output columns (RESIDUAL:
     x W^T's; SILU: I, the up half starting at W row N; ROPE: unused, the tile is head
-    pid_n // (HALF // BLOCK_N))."""
+    pid_n // (HALF // BLOCK_N)). NORM: the rows' sums of squares are sq_parts partial sums at
+    sq_ptr [sq_parts, rows] (PARTS: a power of two at least sq_parts)."""
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     splits = tl.num_programs(2)
     m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -188,7 +216,6 @@ def _fused_linear_kernel(
         col_ok = c1 < N
     acc1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
     k_start = pid_k * (k_blocks * BLOCK_K)  # a multiple of BLOCK_K, so loads stay aligned and pipelined
     k_end = tl.minimum(k_start + k_blocks * BLOCK_K, K)
     kk = tl.arange(0, BLOCK_K)
@@ -196,10 +223,6 @@ def _fused_linear_kernel(
         ks = k0 + kk
         k_ok = ks < k_end
         x = tl.load(x_ptr + m[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if NORM:
-            xf = x.to(tl.float32)
-            sumsq += tl.sum(xf * xf, 1)
-            x = (xf * tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]).to(x_ptr.dtype.element_ty)
         w_ok = col_ok[None, :] & k_ok[:, None]
         w1 = tl.load(w_ptr + c1[None, :].to(tl.int64) * K + ks[:, None], mask=w_ok, other=0.0)  # [BLOCK_K, BLOCK_N]
         acc1 = tl.dot(x, w1, acc1, input_precision=PRECISION)
@@ -208,37 +231,32 @@ def _fused_linear_kernel(
             acc2 = tl.dot(x, w2, acc2, input_precision=PRECISION)
     if splits == 1:
         _epilogue(
-            acc1, acc2, sumsq, m, row_ok, c1, c2, col_ok, head, b_ptr, res_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
-            out_ptr, k_ptr, v_ptr, eps, qk_eps, stride_res, stride_cos, N, K, NORM, BIAS, EPILOGUE, HEADS, KV_HEADS,
-            HEAD_DIM, QK_NORM,
+            acc1, acc2, m, row_ok, c1, c2, col_ok, pid_n, head, b_ptr, res_ptr, sq_ptr, cos_ptr, sin_ptr, qw_ptr,
+            kw_ptr, out_ptr, k_ptr, v_ptr, sq_out_ptr, rows, sq_parts, eps, qk_eps, stride_res, stride_cos, N, K,
+            NORM, PARTS, BIAS, EPILOGUE, HEADS, KV_HEADS, HEAD_DIM, QK_NORM,
         )  # fmt: skip
     else:
         TILE: tl.constexpr = BLOCK_M * BLOCK_N
         tile = pid_m * tl.num_programs(1) + pid_n
         at = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + n[None, :]
-        mine = part_ptr + (tile * splits + pid_k).to(tl.int64) * (2 * TILE + BLOCK_M)
+        mine = part_ptr + (tile * splits + pid_k).to(tl.int64) * (2 * TILE)
         tl.store(mine + at, acc1)
         if EPILOGUE != RESIDUAL:
             tl.store(mine + TILE + at, acc2)
-        if NORM:
-            tl.store(mine + 2 * TILE + tl.arange(0, BLOCK_M), sumsq)
         tl.debug_barrier()  # every thread's partial is written before the counter moves (release)
         if tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel") == splits - 1:
             acc1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
             for s in range(0, splits):  # in split order: the sum does not depend on who came last
-                part = part_ptr + (tile * splits + s).to(tl.int64) * (2 * TILE + BLOCK_M)
+                part = part_ptr + (tile * splits + s).to(tl.int64) * (2 * TILE)
                 acc1 += tl.load(part + at, cache_modifier=".cg")
                 if EPILOGUE != RESIDUAL:
                     acc2 += tl.load(part + TILE + at, cache_modifier=".cg")
-                if NORM:
-                    sumsq += tl.load(part + 2 * TILE + tl.arange(0, BLOCK_M), cache_modifier=".cg")
             tl.store(lock_ptr + tile, 0)
             _epilogue(
-                acc1, acc2, sumsq, m, row_ok, c1, c2, col_ok, head, b_ptr, res_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
-                out_ptr, k_ptr, v_ptr, eps, qk_eps, stride_res, stride_cos, N, K, NORM, BIAS, EPILOGUE, HEADS,
-                KV_HEADS, HEAD_DIM, QK_NORM,
+                acc1, acc2, m, row_ok, c1, c2, col_ok, pid_n, head, b_ptr, res_ptr, sq_ptr, cos_ptr, sin_ptr, qw_ptr,
+                kw_ptr, out_ptr, k_ptr, v_ptr, sq_out_ptr, rows, sq_parts, eps, qk_eps, stride_res, stride_cos, N,
+                K, NORM, PARTS, BIAS, EPILOGUE, HEADS, KV_HEADS, HEAD_DIM, QK_NORM,
             )  # fmt: skip
 
 
@@ -251,10 +269,11 @@ def _launch(
     n,
     epilogue,
     *,
-    norm_weight=None,
+    sumsq=None,
     eps=0.0,
     bias=None,
     residual=None,
+    sumsq_out=None,
     rope=(None, None),
     qk_weights=(None, None),
     qk_eps=0.0,
@@ -274,6 +293,8 @@ def _launch(
         raise ValueError(f"fused_linear: needs x [T, K] and W [N, K] with contiguous rows, got {x.shape}, {w.shape}")
     if locks.dtype != torch.int32 or not locks.is_contiguous() or locks.numel() < LOCKS:
         raise ValueError(f"fused_linear: locks must be {LOCKS} contiguous int32 zeros")
+    if sumsq is not None and (sumsq.dtype != torch.float32 or sumsq.shape[1:] != (rows,) or not sumsq.is_contiguous()):
+        raise ValueError(f"fused_linear: sums of squares must be contiguous FP32 [P, {rows}], got {sumsq.shape}")
     m_tiles = triton.cdiv(rows, block_m)
     if not programs:
         programs = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 8
@@ -283,17 +304,18 @@ def _launch(
     want = torch.sym_min(torch.sym_max(programs // (m_tiles * n_tiles), 1), triton.cdiv(k, block_k))
     k_blocks = triton.cdiv(triton.cdiv(k, want), block_k)
     splits = triton.cdiv(k, k_blocks * block_k)
-    part = x.new_empty(m_tiles * n_tiles * splits * (2 * block_m * block_n + block_m), dtype=torch.float32)
+    part = x.new_empty(m_tiles * n_tiles * splits * 2 * block_m * block_n, dtype=torch.float32)
     cos, sin = rope
     qw, kw = qk_weights
     k_out, v_out = kv_out
     h, kvh, d = heads
+    parts = 1 if sumsq is None else sumsq.shape[0]
     wrap_triton(_fused_linear_kernel)[(m_tiles, n_tiles, splits)](
         x,
-        x if norm_weight is None else norm_weight,
         w,
         x if bias is None else bias,
         x if residual is None else residual,
+        part if sumsq is None else sumsq,
         x if cos is None else cos,
         x if sin is None else sin,
         x if qw is None else qw,
@@ -301,10 +323,12 @@ def _launch(
         out,
         out if k_out is None else k_out,
         out if v_out is None else v_out,
+        part if sumsq_out is None else sumsq_out,
         part,
         locks,
         rows,
         k_blocks,
+        parts,
         eps,
         qk_eps,
         x.stride(0),
@@ -315,7 +339,8 @@ def _launch(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        NORM=norm_weight is not None,
+        NORM=sumsq is not None,
+        PARTS=triton.next_power_of_2(parts),
         BIAS=bias is not None,
         EPILOGUE=epilogue,
         HEADS=h,
@@ -344,22 +369,25 @@ def linear_residual(
     block_m: int = 0,
     block_n: int = 0,
     programs: int = 0,
-) -> torch.Tensor:
-    """As slm_kernels.layer_ref.linear_residual_ref: residual + x W^T (+ bias), [T, N]. op: whose
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """As slm_kernels.layer_ref.linear_residual_ref: residual + x W^T (+ bias) [T, N], and its rows'
+    sums of squares as partial sums [column tiles, T] (FP32, of the output in its dtype). op: whose
     TILES ("o" or "down"); block_m, block_n, programs: in their place when not 0."""
     n = weight.shape[0]
     if residual.shape != (x.shape[0], n) or residual.stride(1) != 1:
         raise ValueError(f"linear_residual: residual {tuple(residual.shape)} for x {tuple(x.shape)}, W {weight.shape}")
-    out = x.new_empty(x.shape[0], n)
     tiles = _tiles(op, block_m, block_n, programs)
-    _launch(x, weight, out, locks, triton.cdiv(n, tiles["block_n"]), n, RESIDUAL, bias=bias, residual=residual, **tiles)
-    return out
+    n_tiles = triton.cdiv(n, tiles["block_n"])
+    out = x.new_empty(x.shape[0], n)
+    sumsq = x.new_empty(n_tiles, x.shape[0], dtype=torch.float32)
+    _launch(x, weight, out, locks, n_tiles, n, RESIDUAL, bias=bias, residual=residual, sumsq_out=sumsq, **tiles)
+    return out, sumsq
 
 
 @triton_op("slm::norm_gate_up_silu", mutates_args={"locks"})
 def norm_gate_up_silu(
     x: torch.Tensor,
-    norm_weight: torch.Tensor,
+    sumsq: torch.Tensor,
     eps: float,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -368,21 +396,22 @@ def norm_gate_up_silu(
     block_n: int = 0,
     programs: int = 0,
 ) -> torch.Tensor:
-    """As slm_kernels.layer_ref.norm_gate_up_silu_ref: silu(gate) * up of RMSNorm(x), [T, I]."""
+    """As slm_kernels.layer_ref.norm_gate_up_silu_ref: silu(gate) * up of RMSNorm(x), [T, I]; weight
+    has the norm's weight folded in (fold_norm), sumsq holds the rows' sums of squares [P, T]."""
     inner = weight.shape[0] // 2
-    if weight.shape[0] % 2 or norm_weight.shape != (x.shape[1],):
-        raise ValueError(f"norm_gate_up_silu: W {tuple(weight.shape)}, norm {tuple(norm_weight.shape)}")
+    if weight.shape[0] % 2:
+        raise ValueError(f"norm_gate_up_silu: W {tuple(weight.shape)} is not gate and up")
     out = x.new_empty(x.shape[0], inner)
     tiles = _tiles("gate_up", block_m, block_n, programs)
     n_tiles = triton.cdiv(inner, tiles["block_n"])
-    _launch(x, weight, out, locks, n_tiles, inner, SILU, norm_weight=norm_weight, eps=eps, bias=bias, **tiles)
+    _launch(x, weight, out, locks, n_tiles, inner, SILU, sumsq=sumsq, eps=eps, bias=bias, **tiles)
     return out
 
 
 @triton_op("slm::norm_qkv_rope", mutates_args={"locks"})
 def norm_qkv_rope(
     x: torch.Tensor,
-    norm_weight: torch.Tensor,
+    sumsq: torch.Tensor,
     eps: float,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -399,8 +428,8 @@ def norm_qkv_rope(
     programs: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """As slm_kernels.layer_ref.norm_qkv_rope_ref: q [T, heads, D], k and v [T, kv_heads, D]
-    (contiguous). block_n: columns of each half-head per program, at most D/2 (the whole half with
-    QK-norm, as the norm spans the head)."""
+    (contiguous); weight and sumsq as norm_gate_up_silu's. block_n: columns of each half-head per
+    program, at most D/2 (the whole half with QK-norm, as the norm spans the head)."""
     t, d = x.shape[0], cos.shape[-1]
     half = d // 2
     tiles = _tiles("qkv", block_m, block_n, programs)
@@ -413,15 +442,14 @@ def norm_qkv_rope(
         or sin.stride() != cos.stride()
         or cos.stride(1) != 1
         or half % block_n
-        or (q_weight is not None and block_n != half)
     ):
         raise ValueError(f"norm_qkv_rope: unsupported shapes W {tuple(weight.shape)}, cos {tuple(cos.shape)}")
     q = x.new_empty(t, heads, d)
     k = x.new_empty(t, kv_heads, d)
     v = x.new_empty(t, kv_heads, d)
     _launch(
-        x, weight, q, locks, (heads + 2 * kv_heads) * (half // block_n), weight.shape[0], ROPE,
-        norm_weight=norm_weight, eps=eps, bias=bias, rope=(cos, sin), qk_weights=(q_weight, k_weight),
-        qk_eps=qk_eps, kv_out=(k, v), heads=(heads, kv_heads, d), **tiles,
+        x, weight, q, locks, (heads + 2 * kv_heads) * (half // block_n), weight.shape[0], ROPE, sumsq=sumsq,
+        eps=eps, bias=bias, rope=(cos, sin), qk_weights=(q_weight, k_weight), qk_eps=qk_eps, kv_out=(k, v),
+        heads=(heads, kv_heads, d), **tiles,
     )  # fmt: skip
     return q, k, v

@@ -308,39 +308,42 @@ def test_fused_linear_bf16_full_size(rows, hidden, inner, heads, qk_norm, bias):
     """The decode layer-step's fused projections in bf16 against their fp32 references, at the beam
     rows of 1-8 W2 prompts and W = 400 x 8. Split-K sums in split order, so a second call gives the
     same bits; the split counters are zero again after each call."""
-    from slm_kernels.fused_linear import LOCKS, linear_residual, norm_gate_up_silu, norm_qkv_rope
+    from slm_kernels.fused_linear import LOCKS, fold_norm, linear_residual, norm_gate_up_silu, norm_qkv_rope
     from slm_kernels.layer_ref import linear_residual_ref, norm_gate_up_silu_ref, norm_qkv_rope_ref
 
     hq, hkv, d = heads
     torch.manual_seed(rows + hidden)
     dev, bf = "cuda", lambda t: None if t is None else t.bfloat16()  # noqa: E731
     locks = torch.zeros(LOCKS, dtype=torch.int32, device=dev)
-    x = torch.randn(rows, hidden, device=dev)
+    x = bf(torch.randn(rows, hidden, device=dev))
+    sumsq = x.float().pow(2).sum(-1)[None]
     nw = torch.rand(hidden, device=dev) + 0.5
-    wqkv = torch.randn((hq + 2 * hkv) * d, hidden, device=dev) / hidden**0.5
-    bqkv = torch.randn(wqkv.shape[0], device=dev) if bias else None
+    wqkv = bf(fold_norm(torch.randn((hq + 2 * hkv) * d, hidden, device=dev) / hidden**0.5, nw))
+    bqkv = bf(torch.randn(wqkv.shape[0], device=dev)) if bias else None
     angles = torch.rand(rows, d // 2, device=dev) * 100
     cos, sin = bf(torch.cat([angles.cos()] * 2, -1)), bf(torch.cat([angles.sin()] * 2, -1))
-    qk = (torch.rand(d, device=dev) + 0.5, torch.rand(d, device=dev) + 0.5) if qk_norm else (None, None)
-    wgu = torch.randn(2 * inner, hidden, device=dev) / hidden**0.5
-    wd = torch.randn(hidden, inner, device=dev) / inner**0.5
-    h = torch.randn(rows, inner, device=dev)
+    qk = (bf(torch.rand(d, device=dev) + 0.5), bf(torch.rand(d, device=dev) + 0.5)) if qk_norm else (None, None)
+    wgu = bf(fold_norm(torch.randn(2 * inner, hidden, device=dev) / hidden**0.5, nw))
+    wd = bf(torch.randn(hidden, inner, device=dev) / inner**0.5)
+    h = bf(torch.randn(rows, inner, device=dev))
 
     def calls():
-        qkv = norm_qkv_rope(bf(x), bf(nw), 1e-6, bf(wqkv), bf(bqkv), cos, sin, hq, hkv, *map(bf, qk), 1e-6, locks)
-        return (*qkv, norm_gate_up_silu(bf(x), bf(nw), 1e-6, bf(wgu), None, locks),
-                linear_residual(bf(h), bf(wd), None, bf(x), locks, "down"))  # fmt: skip
+        qkv = norm_qkv_rope(x, sumsq, 1e-6, wqkv, bqkv, cos, sin, hq, hkv, *qk, 1e-6, locks)
+        return (*qkv, norm_gate_up_silu(x, sumsq, 1e-6, wgu, None, locks), *linear_residual(h, wd, None, x, locks))
 
     got = calls()
     assert int(locks.abs().sum()) == 0
+    f = lambda t: None if t is None else t.float()  # noqa: E731
     want = (
-        *norm_qkv_rope_ref(x, nw, 1e-6, wqkv, bqkv, cos.float(), sin.float(), hq, hkv, *qk, 1e-6),
-        norm_gate_up_silu_ref(x, nw, 1e-6, wgu, None),
-        linear_residual_ref(bf(h).float(), bf(wd).float(), None, bf(x).float()),
+        *norm_qkv_rope_ref(f(x), sumsq, 1e-6, f(wqkv), f(bqkv), f(cos), f(sin), hq, hkv, *map(f, qk), 1e-6),
+        norm_gate_up_silu_ref(f(x), sumsq, 1e-6, f(wgu), None),
+        linear_residual_ref(f(h), f(wd), None, f(x)),
     )
     for name, g, w in zip(("q", "k", "v", "gate_up", "down"), got, want):
         assert g.dtype == torch.bfloat16 and g.shape == w.shape and g.is_contiguous(), name
         assert rel_err(g, w) <= 1e-2, (name, rel_err(g, w))
+    y, y_sumsq = got[-2:]
+    assert rel_err(y_sumsq.sum(0), y.float().pow(2).sum(-1)) <= 1e-5
     assert all(torch.equal(a, b) for a, b in zip(got, calls()))
 
 

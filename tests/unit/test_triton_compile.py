@@ -108,7 +108,7 @@ def test_row_topk_compiles_for_hopper(dtype):
 def test_fused_linear_compiles_for_hopper(hidden, inner, heads, kv_heads, head_dim, qk_norm):
     from slm_kernels.fused_linear import RESIDUAL, ROPE, SILU, TILES, _fused_linear_kernel
 
-    pointers = {"part_ptr": "*fp32", "lock_ptr": "*i32"}
+    pointers = {"part_ptr": "*fp32", "lock_ptr": "*i32", "sq_ptr": "*fp32", "sq_out_ptr": "*fp32"}
     heads = dict(HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim)
     cases = {  # op: (epilogue, N, K, norm, bias, QK-norm)
         "qkv": (ROPE, (heads["HEADS"] + 2 * kv_heads) * head_dim, hidden, True, not qk_norm, qk_norm),
@@ -121,8 +121,8 @@ def test_fused_linear_compiles_for_hopper(hidden, inner, heads, kv_heads, head_d
         half = head_dim // 2
         block_n = tiles["block_n"] if epilogue != ROPE else half if qk else min(tiles["block_n"], half)
         constants = dict(
-            N=n, K=k, BLOCK_M=tiles["block_m"], BLOCK_N=block_n, BLOCK_K=tiles["block_k"], NORM=norm, BIAS=bias,
-            EPILOGUE=epilogue, QK_NORM=qk, PRECISION="tf32", **heads,
+            N=n, K=k, BLOCK_M=tiles["block_m"], BLOCK_N=block_n, BLOCK_K=tiles["block_k"], NORM=norm, PARTS=32,
+            BIAS=bias, EPILOGUE=epilogue, QK_NORM=qk, PRECISION="tf32", **heads,
         )  # fmt: skip
         for float_type in ("fp32", "fp64"):
             asm = compile_for_hopper(_fused_linear_kernel, constants, pointers, float_type, aligned=True)

@@ -172,40 +172,48 @@ def test_silu_mul_matches_reference_in_interpreter():
 
 FUSED_LINEAR_CHECK = r"""
 import json, sys, torch
-from slm_kernels.fused_linear import LOCKS, linear_residual, norm_gate_up_silu, norm_qkv_rope
+from slm_kernels.fused_linear import LOCKS, fold_norm, linear_residual, norm_gate_up_silu, norm_qkv_rope
 from slm_kernels.layer_ref import linear_residual_ref, norm_gate_up_silu_ref, norm_qkv_rope_ref
+from slm_kernels.layer_ref import qkv_rope_ref, rms_norm_ref
 out = []
 for t, hidden, inner, (hq, hkv, d), qk_norm, bias, block_m, programs in json.loads(sys.argv[1]):
     torch.manual_seed(t + hidden)
     locks = torch.zeros(LOCKS, dtype=torch.int32)
     x, nw = torch.randn(t, hidden), torch.rand(hidden) + 0.5
+    sumsq = x.pow(2).reshape(t, 4, -1).sum(-1).T.contiguous()  # four partial sums a row
     wqkv = torch.randn((hq + 2 * hkv) * d, hidden) / hidden**0.5
     bqkv = torch.randn(wqkv.shape[0]) if bias else None
     angles = torch.rand(t, d // 2) * 6
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     qk = (torch.rand(d) + 0.5, torch.rand(d) + 0.5) if qk_norm else (None, None)
-    want = norm_qkv_rope_ref(x, nw, 1e-6, wqkv, bqkv, cos, sin, hq, hkv, *qk, 1e-6)
-    errors = []
+    want = norm_qkv_rope_ref(x, sumsq, 1e-6, fold_norm(wqkv, nw), bqkv, cos, sin, hq, hkv, *qk, 1e-6)
+    # the folded form is RMSNorm then the projection
+    normed = rms_norm_ref(x, nw, 1e-6)
+    plain = qkv_rope_ref(torch.nn.functional.linear(normed, wqkv, bqkv), cos, sin, hq, hkv, *qk, 1e-6)
+    errors = [(w - p).abs().max().item() for w, p in zip(want, plain)]
     for block_n in (d // 2,) if qk_norm else (d // 2, d // 4):  # whole half-heads; quarter heads
-        got = norm_qkv_rope(x, nw, 1e-6, wqkv, bqkv, cos, sin, hq, hkv, *qk, 1e-6, locks, block_m, block_n, programs)
+        got = norm_qkv_rope(x, sumsq, 1e-6, fold_norm(wqkv, nw), bqkv, cos, sin, hq, hkv, *qk, 1e-6, locks,
+                            block_m, block_n, programs)
         errors += [(g - w).abs().max().item() for g, w in zip(got, want)]
     wgu = torch.randn(2 * inner, hidden) / hidden**0.5
     bgu = torch.randn(2 * inner) if bias else None
-    h = norm_gate_up_silu(x, nw, 1e-6, wgu, bgu, locks, block_m, 16, programs)
-    errors.append((h - norm_gate_up_silu_ref(x, nw, 1e-6, wgu, bgu)).abs().max().item())
+    h = norm_gate_up_silu(x, sumsq, 1e-6, fold_norm(wgu, nw), bgu, locks, block_m, 16, programs)
+    errors.append((h - norm_gate_up_silu_ref(x, sumsq, 1e-6, fold_norm(wgu, nw), bgu)).abs().max().item())
     wd = torch.randn(hidden, inner) / inner**0.5
     bd = torch.randn(hidden) if bias else None
-    y = linear_residual(h, wd, bd, x, locks, "down", block_m, 16, programs)
+    y, y_sumsq = linear_residual(h, wd, bd, x, locks, "down", block_m, 16, programs)
     errors.append((y - linear_residual_ref(h, wd, bd, x)).abs().max().item())
-    out.append({"error": max(errors), "locks_zero": not locks.any().item()})
+    errors.append((y_sumsq.sum(0) - y.pow(2).sum(-1)).abs().max().item() / y.pow(2).sum(-1).max().item())
+    out.append({"error": max(errors), "locks_zero": not locks.any().item(), "parts": y_sumsq.shape[0]})
 print(json.dumps(out))
 """
 
 
 def test_fused_linear_matches_reference_in_interpreter():
-    """The decode layer-step's fused projections against their references: with and without bias
-    and QK-norm, rows not a multiple of the row tile, K split across programs (case 3: 4 splits of
-    two tiles each, summed by the last to arrive) or not, and the split counters zero after."""
+    """The decode layer-step's fused projections against their references, which equal RMSNorm and
+    the plain projection: with and without bias and QK-norm, rows not a multiple of the row tile, K
+    split across programs (case 3: 4 splits of two tiles each, summed by the last to arrive) or
+    not; the output's sums of squares per column tile; the split counters zero after."""
     cases = [
         (5, 64, 48, (4, 2, 16), False, True, 16, 8),  # GQA, biases, quarter-head RoPE tiles
         (3, 96, 40, (2, 1, 32), True, False, 16, 1),  # QK-norm (Qwen3), no split
@@ -213,6 +221,7 @@ def test_fused_linear_matches_reference_in_interpreter():
     ]
     results = run_check(FUSED_LINEAR_CHECK, cases)
     assert all(r["error"] < 1e-4 and r["locks_zero"] for r in results), results
+    assert [r["parts"] for r in results] == [4, 6, 8], results  # the hidden size over block_n 16
 
 
 FUSED_DECODE_CHECK = r"""
