@@ -27,7 +27,7 @@ Before the variants, the op table times each fused projection alone over the 24 
 (each layer's from HBM) at each row count, for each of TILE_CANDIDATES, beside cuBLAS's GEMM of
 the same shape (F.linear, without the work fused around it) and the weights' read floor.
 
-    python -m bench.step_bench --out FILE.json [--rows 100,200,400,800]
+    python -m bench.step_bench --out FILE.json [--rows 100,200,400,800] [--variants "bf16,bf16 fused"]
 """
 
 import argparse
@@ -270,6 +270,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
     p.add_argument("--rows", default="100,200,400,800")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="which VARIANTS, comma-separated")
     args = p.parse_args()
     rows_list = [int(r) for r in args.rows.split(",")]
     torch._dynamo.config.cache_size_limit = 64
@@ -294,6 +295,8 @@ def main() -> None:
     print(f"\ntuned tiles: {TUNED}")
     reference: dict[int, torch.Tensor] = {}
     for name, make in VARIANTS.items():  # in order: each variant may change the model in place
+        if name not in args.variants.split(","):
+            continue
         variant = make(model)
         try:
             out = measure(variant, rows_list, gbps)
