@@ -18,7 +18,7 @@ Variants:
 - "bf16 fused": the decode layer-step as four Triton GEMMs with the norms, bias, RoPE, SiLU·up
   and residual adds fused in, and the attention (Block.decode_fused, slm_kernels.fused_linear),
   at fused_linear.TILES;
-- "bf16 fused, tuned": the same at the tiles the op table below found fastest per projection;
+- "bf16 fused tuned": the same at the tiles the op table below found fastest per projection;
 - "fp8-static": the same as "bf16" with qkv, gate/up and down in E4M3 with one scale per tensor
   (slm_core.compile.fp8), the input scales calibrated on the bench's own inputs.
 A candidate joins as another variant: a function of the bf16 model that returns the model to time.
@@ -261,7 +261,7 @@ TUNED: dict = {}  # best_tiles of this run's op table
 VARIANTS = {
     "bf16": lambda model: model,
     "bf16 fused": fused,
-    "bf16 fused, tuned": fused_tuned,
+    "bf16 fused tuned": fused_tuned,
     "fp8-static": fp8_static,
 }
 
