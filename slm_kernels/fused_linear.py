@@ -43,7 +43,10 @@ from torch.library import triton_op, wrap_triton
 
 from slm_kernels.online_softmax import launch_options
 
-RESIDUAL, SILU, ROPE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # the epilogues
+# The epilogues: plain ints for launches (Inductor writes them into its generated source), and
+# the same as constexprs for the kernels to compare with.
+RESIDUAL, SILU, ROPE = 0, 1, 2
+_RESIDUAL, _SILU, _ROPE = tl.constexpr(RESIDUAL), tl.constexpr(SILU), tl.constexpr(ROPE)
 # Counters a caller's `locks` buffer holds: one per (row tile, column tile) of a split call. A call
 # splits only when its tiles are at most half the target programs, so LOCKS bounds the target.
 LOCKS = 1024
@@ -51,10 +54,10 @@ LOCKS = 1024
 # summed over 100-800 rows. block_n: ROPE's is per half-head, at most D/2 (the whole half with
 # QK-norm); programs: the split-K target, 0 for the GPU's SM count.
 TILES = {
-    "qkv": dict(block_m=64, block_n=32, block_k=64, programs=0, num_warps=4, num_stages=3),
-    "gate_up": dict(block_m=128, block_n=64, block_k=64, programs=0, num_warps=8, num_stages=3),
-    "o": dict(block_m=64, block_n=32, block_k=64, programs=0, num_warps=4, num_stages=3),
-    "down": dict(block_m=128, block_n=32, block_k=64, programs=264, num_warps=4, num_stages=4),
+    "qkv": dict(block_m=64, block_n=32, block_k=64, programs=0, num_warps=4, num_stages=4),
+    "gate_up": dict(block_m=64, block_n=64, block_k=64, programs=0, num_warps=4, num_stages=4),
+    "o": dict(block_m=64, block_n=64, block_k=64, programs=0, num_warps=4, num_stages=4),
+    "down": dict(block_m=128, block_n=64, block_k=128, programs=0, num_warps=8, num_stages=3),
 }
 
 
@@ -111,18 +114,18 @@ def _epilogue(
         acc2 = acc2 * r
     if BIAS:
         acc1 += tl.load(b_ptr + c1, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        if EPILOGUE != RESIDUAL:
+        if EPILOGUE != _RESIDUAL:
             acc2 += tl.load(b_ptr + c2, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     y1 = acc1.to(dtype).to(tl.float32)  # the projection's output, in the model dtype
     y2 = acc2.to(dtype).to(tl.float32)
     ok = row_ok[:, None] & col_ok[None, :]
-    if EPILOGUE == RESIDUAL:
+    if EPILOGUE == _RESIDUAL:
         res = tl.load(res_ptr + m[:, None] * stride_res + c1[None, :], mask=ok, other=0.0).to(tl.float32)
         y = (y1 + res).to(dtype)
         tl.store(out_ptr + m[:, None] * N + c1[None, :], y, mask=ok)
         yf = tl.where(ok, y.to(tl.float32), 0.0)
         tl.store(sq_out_ptr + tile_n * rows + m, tl.sum(yf * yf, 1), mask=row_ok)  # this tile's part of each row's
-    elif EPILOGUE == SILU:
+    elif EPILOGUE == _SILU:
         act = (y1 / (1.0 + tl.exp(-y1))).to(dtype).to(tl.float32)
         tl.store(out_ptr + m[:, None] * N + c1[None, :], (act * y2).to(dtype), mask=ok)
     else:
@@ -203,7 +206,7 @@ def _fused_linear_kernel(
     m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     row_ok = m < rows
     n = tl.arange(0, BLOCK_N)
-    if EPILOGUE == ROPE:
+    if EPILOGUE == _ROPE:
         HALF: tl.constexpr = HEAD_DIM // 2
         head = pid_n // (HALF // BLOCK_N)
         c1 = head * HEAD_DIM + (pid_n % (HALF // BLOCK_N)) * BLOCK_N + n
@@ -226,7 +229,7 @@ def _fused_linear_kernel(
         w_ok = col_ok[None, :] & k_ok[:, None]
         w1 = tl.load(w_ptr + c1[None, :].to(tl.int64) * K + ks[:, None], mask=w_ok, other=0.0)  # [BLOCK_K, BLOCK_N]
         acc1 = tl.dot(x, w1, acc1, input_precision=PRECISION)
-        if EPILOGUE != RESIDUAL:
+        if EPILOGUE != _RESIDUAL:
             w2 = tl.load(w_ptr + c2[None, :].to(tl.int64) * K + ks[:, None], mask=w_ok, other=0.0)
             acc2 = tl.dot(x, w2, acc2, input_precision=PRECISION)
     if splits == 1:
@@ -241,7 +244,7 @@ def _fused_linear_kernel(
         at = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + n[None, :]
         mine = part_ptr + (tile * splits + pid_k).to(tl.int64) * (2 * TILE)
         tl.store(mine + at, acc1)
-        if EPILOGUE != RESIDUAL:
+        if EPILOGUE != _RESIDUAL:
             tl.store(mine + TILE + at, acc2)
         tl.debug_barrier()  # every thread's partial is written before the counter moves (release)
         if tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel") == splits - 1:
@@ -250,7 +253,7 @@ def _fused_linear_kernel(
             for s in range(0, splits):  # in split order: the sum does not depend on who came last
                 part = part_ptr + (tile * splits + s).to(tl.int64) * (2 * TILE)
                 acc1 += tl.load(part + at, cache_modifier=".cg")
-                if EPILOGUE != RESIDUAL:
+                if EPILOGUE != _RESIDUAL:
                     acc2 += tl.load(part + TILE + at, cache_modifier=".cg")
             tl.store(lock_ptr + tile, 0)
             _epilogue(
