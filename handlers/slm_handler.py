@@ -239,13 +239,11 @@ class SlmHandler:
         cuda = self.engine.device.type == "cuda"
         mps = cuda and mps_running()
         log.info(
-            "loaded a %s task on %s in %.1f s: %s CUDA graphs (captured in %.1f s), %d worker(s) of batch %d, "
-            "NVIDIA MPS: %s",
+            "loaded a %s task on %s in %.1f s: CUDA graphs %s, %d worker(s) of batch %d, NVIDIA MPS: %s",
             self.engine.task.kind,
             self.engine.device,
             time.perf_counter() - start,
-            len(replay.graphs) if replay is not None else "no",
-            replay.capture_s if replay is not None else 0.0,
+            "captured at each bucket's first call" if replay is not None else "off",
             serving.workers,
             serving.batch,
             "on" if mps else "off",

@@ -37,7 +37,9 @@ class ServingOptions:
     batch_delay_ms: int = 1  # the longest wait for more requests to batch
     response_timeout_s: int = 120  # a call longer than this: TorchServe restarts the worker
     device_ids: tuple[int, ...] = ()  # the GPUs this model's workers go to, in turn
-    cuda_graphs: bool = True  # replay calls from CUDA graphs captured at load (off: GPU memory for many models)
+    cuda_graphs: bool = (
+        True  # replay calls from CUDA graphs, each bucket captured at its first call (off: GPU memory for many models)
+    )
     catalog_store: str | None = None  # catalog tasks: the directory of catalog versions workers follow
     # the online accuracy guard (archives with a reference graph): the share of requests recomputed
     # by the reference, and the thresholds past which one is a breach (the FP8 gate's defaults)
@@ -95,7 +97,7 @@ class ServingSpec:
 
     def model_config(self) -> dict[str, Any]:
         """TorchServe's per-model settings (model-config.yaml). A worker has 10 minutes to load:
-        TorchServe's default of 2 is near a CUDA worker's captures at load."""
+        TorchServe's default of 2 is near a CUDA worker's package load when several start at once."""
         cuda = self.device == "cuda"
         return {
             "minWorkers": self.workers,

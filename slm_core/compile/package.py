@@ -20,6 +20,7 @@ from slm_core.compile.eager import build_graph, prepare
 from slm_core.compile.export import compile_package, export_graph
 from slm_core.errors import SpecError
 from slm_core.serve.loader import load_graph, serving_engine
+from slm_core.serve.replay import bucket_grid
 from slm_core.serve.runtime import Runtime
 from slm_core.spec import PRECISIONS, RuntimeSpec, TaskSpec
 
@@ -82,7 +83,10 @@ def build_package(
             "checking the compiled graph replayed from CUDA graphs against eager",
             lambda: check_compiled(eager, compiled),
         )
-        check["cuda_graphs"]["captured"] = len(compiled.context.replay.graphs)
+        # every bucket once, as a worker captures it at its first call: a graph that cannot be
+        # captured, or faults on replay, does so here rather than on a request
+        step("capturing every bucket", lambda: [compiled.synthetic_call(n, t) for n, t in bucket_grid(task)])
+        check["cuda_graphs"]["captured"] = len(compiled.context.replay.graphs)  # 0: a capture failed
     up = package.REFERENCE_PRECISION.get(task.spec.precision)
     if reference and up is None:
         raise SpecError(f"a {task.spec.precision} build has no higher precision for an accuracy reference")

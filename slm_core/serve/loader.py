@@ -66,8 +66,8 @@ def serving_engine(
     engine: type[Runtime] | None = None,
     headroom: float = 0.0,
 ) -> Runtime:
-    """A CUDA package's engine on `device`: with cuda_graphs, every bucket of the task's bounds
-    captured now, in the engine's request context."""
+    """A CUDA package's engine on `device`: with cuda_graphs, its calls replayed from CUDA graphs in
+    the engine's request context, each bucket captured at its first call."""
     engine = engine or Runtime
     # CUDA-graph capture needs the package's runner loaded single-threaded; AOTI takes no None index
     start = time.perf_counter()
@@ -76,8 +76,7 @@ def serving_engine(
     if not cuda_graphs:
         return engine(graph, task, device, headroom=headroom)
     served = engine(graph, task, device, headroom=headroom)
-    served.context.replay = replay = CudaGraphs(graph, task, device, served.constants)
-    replay.capture(served.context.stream)
+    served.context.replay = CudaGraphs(graph, task, device, served.constants, served.context.stream)
     return served
 
 

@@ -12,13 +12,16 @@ bucket, T to within 1/16 of itself:
 Sequences do not see each other, so the real rows' answers do not change. The compiled graph
 accepts these sizes (Task.graph_tokens, graph_texts).
 
-Every bucket a call within the task's bounds lands in (bucket_grid) is captured as the worker
-loads, each after one run outside the capture. A served call then copies its inputs into the
-static buffers and replays one graph launch instead of ~1,500 kernel launches. The graphs share
-one memory pool: a context runs one call at a time and reads its outputs before the next.
+A bucket is captured the first time a call lands in it, from that call's own inputs: one run
+outside the capture, the capture, and a replay that answers the call. So a worker is ready once
+its package is loaded, and captures only the buckets its traffic uses (a beam task's bounds span
+hundreds of buckets; W2's prompts land in a fraction of them). A served call then copies its
+inputs into the static buffers and replays one graph launch instead of ~1,500 kernel launches.
+The graphs share one memory pool: a context runs one call at a time and reads its outputs before
+the next, and a capture happens inside a call. bucket_grid lists one call per bucket that a call
+within the task's bounds lands in.
 """
 
-import itertools
 import logging
 import time
 
@@ -97,10 +100,18 @@ def pad_inputs(
 
 
 class CudaGraphs:
-    """Replays `graph` (an AOTInductor package loaded with run_single_threaded=True) from the
-    CUDA graphs capture() records, one per bucket; a call of another size runs the graph as it is."""
+    """Replays `graph` (an AOTInductor package loaded with run_single_threaded=True) from CUDA
+    graphs on `stream` (the request context's), one per bucket, each captured at its bucket's
+    first call; a call of another size runs the graph as it is."""
 
-    def __init__(self, graph, task: Task, device: torch.device, constants: tuple[torch.Tensor, ...] = ()):
+    def __init__(
+        self,
+        graph,
+        task: Task,
+        device: torch.device,
+        constants: tuple[torch.Tensor, ...] = (),
+        stream: "torch.cuda.Stream | None" = None,
+    ):
         if task.pad_sequences and task.option_columns:
             raise ValueError(
                 f"{type(task).__name__} pads calls with sequences and takes options: a padding "
@@ -109,6 +120,7 @@ class CudaGraphs:
         self.graph = graph
         self.task = task
         self.device = device
+        self.stream = stream
         self.ids = torch.zeros(task.graph_tokens, dtype=torch.int32, device=device)  # static inputs
         self.cu = torch.zeros(task.graph_texts + 1, dtype=torch.int32, device=device)
         self.options = (
@@ -119,67 +131,58 @@ class CudaGraphs:
         self.constants = constants  # the engine's device tensors: the same for every call
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, object]] = {}
         self.pool = None
-        self.capture_s = 0.0  # what capture() took: the handler logs it beside the whole load
+        self.failed = False  # a capture failed: every call runs the graph as it is
+        self.capture_s = 0.0  # what the captures took so far
 
     def __call__(self, ids: torch.Tensor, cu: torch.Tensor, options: torch.Tensor | None, sequences: int, tokens: int):
         """The graph's outputs (device tensors, valid until the next call) for the packed call in
         the pinned host buffers ids[:tokens], cu[:sequences + 1], options[:sequences], or None when
-        it does not replay."""
-        if (b := bucket(self.task, sequences, tokens)) is None or b[:2] not in self.graphs:
+        it does not replay. A call in a bucket not captured yet captures it, and is answered by
+        the new graph's first replay."""
+        if self.failed or (b := bucket(self.task, sequences, tokens)) is None:
             return None
         n, t = pad_inputs(ids, cu, sequences, tokens, b)
         self.ids[:t].copy_(ids[:t], non_blocking=True)
         self.cu[: n + 1].copy_(cu[: n + 1], non_blocking=True)
         if options is not None:
             self.options[:n].copy_(options[:n], non_blocking=True)
+        if b[:2] not in self.graphs:
+            return self._first_call(b[:2], n, t)
         graph, outputs = self.graphs[b[:2]]
         graph.replay()
         return outputs
 
-    def capture(self, stream: torch.cuda.Stream) -> int:
-        """Capture every bucket of bucket_grid on `stream` (the request context's), with calls of
-        token ids 1 in even sequences; returns how many graphs it holds. If a capture fails
-        (something in the graph cannot be captured), none is kept: the engine runs without them."""
-        start = time.perf_counter()
-        with torch.inference_mode(), torch.cuda.stream(stream):
-            try:
-                for n, t in bucket_grid(self.task):
-                    b = bucket(self.task, n, t)
-                    self.cu[0] = 0
-                    self.cu[1 : n + 1] = torch.tensor(list(itertools.accumulate(even_split(t, n))), dtype=torch.int32)
-                    self.ids[:t] = 1
-                    if self.options is not None:  # the task's bounds
-                        self.options[:] = torch.tensor(
-                            self.task.options(self.task.request_of(["x"])), dtype=torch.int32
-                        )
-                    padded_n, padded_t = pad_inputs(self.ids, self.cu, n, t, b)
-                    self.graphs[b[:2]] = self._capture(padded_n, padded_t, stream)
-            except RuntimeError as e:
-                log.warning("CUDA graph capture failed, running without CUDA graphs: %s", e)
-                self.graphs.clear()
-        torch.cuda.synchronize(self.device)
-        self.capture_s = time.perf_counter() - start
-        return len(self.graphs)
-
-    def recapture(self, constants: tuple[torch.Tensor, ...], stream: torch.cuda.Stream) -> int:
-        """Every bucket captured again, reading `constants` (a task's new data, in new buffers):
-        the graphs reading the old ones are dropped first, so their memory in the pool is reused."""
+    def drop(self, constants: tuple[torch.Tensor, ...]) -> None:
+        """Forget every graph: the calls read `constants` (a task's new data, in new buffers) from now
+        on, and capture their buckets again. The old graphs' memory in the pool is reused."""
         self.graphs.clear()
         self.constants = constants
-        return self.capture(stream)
 
-    def _capture(self, n: int, t: int, stream: torch.cuda.Stream):
-        """Capture on `stream`, after a first run there outside the capture (lazy initialisation),
-        then replay once: a graph that faults on replay does so at load, not on a request.
-        PyTorch keeps a cuBLAS workspace per (handle, stream) and a graph bakes in the one of the
-        stream it was captured on: the first run allocates the stream's own, outside the pool."""
+    def _first_call(self, key: tuple[int, int], n: int, t: int):
+        """Capture the bucket `key` from the call of n sequences, t tokens in the static inputs, and
+        answer the call by the new graph's first replay. The call runs once outside the capture
+        first (lazy initialisation; an error there is the call's own). PyTorch keeps a cuBLAS
+        workspace per (handle, stream) and a graph bakes in the one of the stream it was captured
+        on: that first run allocates the stream's own, outside the pool. If the capture fails
+        (something in the graph cannot be captured), calls run without CUDA graphs from now on
+        (None: the caller runs the graph as it is)."""
         args = (self.ids[:t], self.cu[: n + 1], *([] if self.options is None else [self.options[:n]]), *self.constants)
+        start = time.perf_counter()
         self.graph(*args)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: a worker's other threads (the accuracy guard's reference calls, a catalog's
-        # pinned copy) keep using CUDA while a swap captures again; "global" would fail the capture
-        with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
-            outputs = self.graph(*args)
+        try:
+            # thread_local: a worker's other threads (the accuracy guard's reference calls, a
+            # catalog's pinned copy) keep using CUDA while a call captures; "global" would fail it
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+                outputs = self.graph(*args)
+        except RuntimeError as e:
+            log.warning("CUDA graph capture failed, running without CUDA graphs: %s", e)
+            self.graphs.clear()
+            self.failed = True
+            return None
+        finally:
+            self.capture_s += time.perf_counter() - start
         self.pool = graph.pool()
         graph.replay()
-        return graph, outputs
+        self.graphs[key] = (graph, outputs)
+        return outputs

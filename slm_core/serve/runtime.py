@@ -138,7 +138,7 @@ class Runtime:
         """Serve `task` (this one's task over another version of its data: Task.with_data) from the
         next call on. Its graph constants are copied into the device buffers the calls, and their
         CUDA graphs, read; data that does not fit them gets new buffers, and the CUDA graphs are
-        captured again (the calls wait for it: seconds on a GPU). Returns whether it fit."""
+        dropped (each bucket is captured again at its next call). Returns whether it fit."""
         constants = task.graph_constants([len(c) for c in self.constants])  # padded to the buffers
         fits = constants is not None
         if not fits:
@@ -156,7 +156,7 @@ class Runtime:
             else:
                 self.constants = tuple(c.to(self.device) for c in staged)
                 if ctx.replay is not None:
-                    ctx.replay.recapture(self.constants, ctx.stream)
+                    ctx.replay.drop(self.constants)
             self.task = task
         return fits
 

@@ -199,9 +199,8 @@ class FakeCuda:
         monkeypatch.setattr(
             loader,
             "CudaGraphs",
-            lambda graph, task, device, constants: (
-                self.record("replay", device)
-                or SimpleNamespace(graphs={}, capture_s=0.0, capture=lambda stream: self.record("capture", stream))
+            lambda graph, task, device, constants, stream: (
+                self.record("replay", (device, stream)) or SimpleNamespace(graphs={}, capture_s=0.0)
             ),
         )
         monkeypatch.setattr(
@@ -223,7 +222,7 @@ class FakeCuda:
 def test_worker_places_everything_on_its_gpu(archives, tmp_path, monkeypatch, gpu_id, index):
     """TorchServe gives each worker a gpu_id (round-robin over the GPUs or the archive's
     deviceIds): the worker makes it the current device before anything is loaded, then loads the
-    compiled graph, the CUDA-graph replay and the engine onto cuda:{gpu_id}, and captures."""
+    compiled graph, the CUDA-graph replay and the engine onto cuda:{gpu_id}."""
     cuda = FakeCuda(monkeypatch)
     ctx = MockContext(_as_cuda_package(archives, tmp_path), ServingSpec("cuda", 2, 2, 8).model_config())
     ctx.system_properties["gpu_id"] = gpu_id
@@ -236,8 +235,7 @@ def test_worker_places_everything_on_its_gpu(archives, tmp_path, monkeypatch, gp
         ("capability", device),
         ("load", {"run_single_threaded": True, "device_index": index}),
         ("engine", ("graph", device)),
-        ("replay", device),
-        ("capture", "s"),
+        ("replay", (device, "s")),  # on the request context's stream; nothing captured before a call
     ]
 
 
@@ -248,7 +246,7 @@ def test_worker_without_cuda_graphs_loads_the_runner_for_several_threads(archive
     )
     SlmHandler().initialize(ctx)
     assert ("load", {"run_single_threaded": False, "device_index": 0}) in cuda.calls
-    assert not [c for c in cuda.calls if c[0] in ("replay", "capture")]
+    assert not [c for c in cuda.calls if c[0] == "replay"]
 
 
 def test_worker_given_a_gpu_the_host_lacks_is_refused(archives, tmp_path, monkeypatch):

@@ -2,13 +2,15 @@
 that the padded call answers exactly as the unpadded one. The capture and replay themselves need
 a GPU (the archiver's build check on CUDA runs every check input through them)."""
 
+import itertools
+
 import pytest
 from conftest import train_tokenizer
 from helpers import engine_for
 from tokenizers import Tokenizer
 
 from slm_core.compile.checkpoint import load_checkpoint
-from slm_core.serve.replay import bucket, bucket_grid, pad_inputs
+from slm_core.serve.replay import bucket, bucket_grid, even_split, pad_inputs
 from slm_core.serve.runtime import Runtime
 from slm_core.spec import TaskSpec
 from slm_core.tasks import task_for
@@ -80,7 +82,7 @@ def test_beam_buckets_of_w2_and_w3_streams_are_few():
     ids=["w1", "beam8", "small", "long"],
 )
 def test_the_grid_holds_one_call_per_bucket_of_every_call_size(task):
-    """bucket_grid (what a worker captures at load) against every (sequences, tokens) a call
+    """bucket_grid (what the build captures, one call per bucket) against every (sequences, tokens) a call
     within the bounds can have, one by one (bisection is only fast if bucket behaves as it assumes)."""
     every = {}
     step = 1 if task.call_tokens < 3000 else 3  # W1's 2.7M sizes in steps of 3: still each bucket of them
@@ -140,10 +142,12 @@ def test_padded_calls_answer_as_unpadded(random_checkpoint):
             assert all(pn == n for n, t, pn, pt in fake.calls)
 
 
-def test_capture_records_every_bucket_of_the_grid_with_valid_calls(monkeypatch):
-    """CudaGraphs.capture (as a worker loads) runs each bucket of bucket_grid once outside and once
-    inside a capture, with a valid packed call of that bucket's size in its static inputs; a
-    served call then replays its bucket's graph, and one outside the bounds runs without."""
+def test_a_bucket_is_captured_at_its_first_call_and_replayed_after(monkeypatch):
+    """CudaGraphs captures nothing before a call. A call in a new bucket runs once outside and once
+    inside a capture on the context's stream, from its own padded inputs in the static buffers,
+    and is answered by the new graph's replay; the next call of that bucket only replays. Every
+    bucket of bucket_grid (what the build captures) takes a valid call of its size; a call outside
+    the bounds runs without; drop() forgets the graphs, and a failed capture turns replay off."""
     import contextlib
 
     import torch
@@ -160,16 +164,14 @@ def test_capture_records_every_bucket_of_the_grid_with_valid_calls(monkeypatch):
             return "pool"
 
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
-    modes = []
+    captures = []
     monkeypatch.setattr(
         torch.cuda,
         "graph",
         lambda graph, pool=None, stream=None, capture_error_mode="global": (
-            modes.append(capture_error_mode) or contextlib.nullcontext()
+            captures.append((stream, capture_error_mode)) or contextlib.nullcontext()
         ),
     )
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     for spec in (
         dict(task="score", labels=["yes", "no"], max_texts=2, max_text_tokens=24, max_batch=2),
         dict(task="beam", beam_width=2, new_tokens=2, max_prompt_tokens=40, max_batch=3),
@@ -183,19 +185,36 @@ def test_capture_records_every_bucket_of_the_grid_with_valid_calls(monkeypatch):
             calls.append((cu.shape[0] - 1, ids.shape[0]))
             return ("outputs", len(calls))
 
-        replay = CudaGraphs(graph, t_, torch.device("cpu"))
-        grid = bucket_grid(t_)
-        assert replay.capture(stream=None) == len(grid) == len(calls) // 2
-        assert set(replay.graphs) == {bucket(t_, n, t)[:2] for n, t in grid}
-        assert calls[0::2] == calls[1::2]  # a run outside the capture, then the captured one
-        assert set(modes) == {"thread_local"}  # the worker's other threads may use CUDA meanwhile
+        replay = CudaGraphs(graph, t_, torch.device("cpu"), stream="context stream")
+        assert not replay.graphs and not calls
         ids, cu = torch.zeros(t_.graph_tokens, dtype=torch.int32), torch.zeros(t_.graph_texts + 1, dtype=torch.int32)
-        cu[1] = 5
-        key = bucket(t_, 1, 5)[:2]
         options = (
             torch.zeros(t_.graph_texts, max(1, t_.option_columns), dtype=torch.int32) if t_.option_columns else None
         )
-        assert (
-            replay(ids, cu, options, 1, 5) is replay.graphs[key][1] and FakeGraph.replays[-1] is replay.graphs[key][0]
-        )
+        ids[:5], cu[1] = 7, 5
+        key = bucket(t_, 1, 5)[:2]
+        first = replay(ids, cu, options, 1, 5)
+        assert list(replay.graphs) == [key] and first is replay.graphs[key][1] and len(calls) == 2
+        assert calls[0] == calls[1] == key and replay.ids[:5].tolist() == [7] * 5  # the call's own inputs
+        assert FakeGraph.replays[-1] is replay.graphs[key][0]  # the answer is the replay's
+        assert captures[-1] == ("context stream", "thread_local")  # the worker's other threads may use CUDA
+        assert replay(ids, cu, options, 1, 5) is first and len(calls) == 2  # replayed, not run again
         assert replay(ids, cu, options, 1, t_.graph_tokens + 1) is None
+        grid = bucket_grid(t_)
+        for n, t in grid:
+            cu[: n + 1] = torch.tensor([0, *itertools.accumulate(even_split(t, n))])
+            replay(ids, cu, options, n, t)
+        assert set(replay.graphs) == {bucket(t_, n, t)[:2] for n, t in grid} and len(calls) == 2 * len(grid)
+        replay.drop(("new",))
+        assert not replay.graphs and replay.constants == ("new",)
+
+    runs = []
+
+    def uncapturable(*args):  # runs outside a capture, fails inside one
+        runs.append(len(runs))
+        if len(runs) == 2:
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    broken = CudaGraphs(uncapturable, task(**spec), torch.device("cpu"))
+    assert broken(ids, cu, options, 1, 5) is None and broken.failed and not broken.graphs
+    assert broken(ids, cu, options, 1, 5) is None and len(runs) == 2  # no second try
