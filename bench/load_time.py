@@ -1,9 +1,13 @@
-"""Where a worker's package load goes: the compiled graph's package (graph.pt2, a zip whose .so
-holds the weights) extracted to a directory, and AOTInductor's load of it (it extracts the package
-into TMPDIR, loads the .so and copies the weights to the GPU; Inductor compiles its CPU
-capability checks into its cache directory, which follows TMPDIR unless TORCHINDUCTOR_CACHE_DIR
-is set): TMPDIR on the disk or on /dev/shm (memory), alone and two at once (two workers starting
-together).
+"""Where a worker's package load goes. The compiled graph's package (graph.pt2, a zip whose .so
+holds the weights) is timed:
+- extracted to a directory, on the disk and on /dev/shm (memory);
+- dlopen'ed alone;
+- loaded by AOTInductor (torch._inductor.aoti_load_package: it extracts the package into TMPDIR,
+  loads the .so and copies the weights to the GPU; Inductor compiles its CPU capability checks
+  into its cache directory, which follows TMPDIR unless TORCHINDUCTOR_CACHE_DIR is set), TMPDIR
+  on the disk or on /dev/shm, alone and two at once (two workers starting together);
+- loaded as a worker loads it (slm_core.serve.loader.load_graph: Python's zipfile extracts it,
+  the runner is built from the extracted .so), alone, two and six at once.
 
     python -m bench.load_time --package DIR [--out FILE] [--profile FILE]
 (DIR: an unpacked slm_*.mar, e.g. by bench.run; --profile: one more load under torch.profiler,
@@ -71,12 +75,14 @@ def dlopen(pt2: Path, under: Path) -> float:
     return seconds
 
 
-def _load(pt2: str, under: str, cache: str | None, profiled: bool, out) -> None:
-    """AOTInductor's load as a worker does it (on CUDA: a single-threaded runner on cuda:0), with
-    TMPDIR a fresh directory under `under` (where the package is extracted) and Inductor's cache
-    in `cache` (None: under that TMPDIR, so cold); sends its seconds and the files Inductor
-    compiled into its cache meanwhile, or, `profiled`, the table of what took them under
-    torch.profiler (CUDA runtime calls, allocations and copies among them), by self CPU time."""
+def _load(pt2: str, under: str, cache: str | None, profiled: bool, how: str, out) -> None:
+    """A package load as a worker does it (on CUDA: a single-threaded runner on cuda:0), `how`:
+    "aoti" (torch._inductor.aoti_load_package) or "slm" (slm_core.serve.loader.load_graph: the
+    package extracted by Python's zipfile, the runner built from the extracted .so), with TMPDIR a
+    fresh directory under `under` (where the package is extracted) and Inductor's cache in `cache`
+    (None: under that TMPDIR, so cold); sends its seconds and the files Inductor compiled into its
+    cache meanwhile, or, `profiled`, the table of what took them under torch.profiler (CUDA
+    runtime calls, allocations and copies among them), by self CPU time."""
     tmp = tempfile.mkdtemp(dir=under)
     os.environ["TMPDIR"] = tmp
     if cache is not None:
@@ -90,7 +96,12 @@ def _load(pt2: str, under: str, cache: str | None, profiled: bool, out) -> None:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     start = time.perf_counter()
     with profile(activities=activities) if profiled else contextlib.nullcontext() as prof:
-        torch._inductor.aoti_load_package(pt2, run_single_threaded=cuda, **({"device_index": 0} if cuda else {}))
+        if how == "slm":
+            from slm_core.serve.loader import load_graph
+
+            load_graph(pt2, "cuda:0" if cuda else "cpu", run_single_threaded=cuda)
+        else:
+            torch._inductor.aoti_load_package(pt2, run_single_threaded=cuda, **({"device_index": 0} if cuda else {}))
         if cuda:
             torch.cuda.synchronize()
     seconds = time.perf_counter() - start
@@ -101,11 +112,11 @@ def _load(pt2: str, under: str, cache: str | None, profiled: bool, out) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def profiled(pt2: Path, under: Path, cache: Path) -> tuple[float, str, list[dict]]:
+def profiled(pt2: Path, under: Path, cache: Path, how: str = "aoti") -> tuple[float, str, list[dict]]:
     """A load's seconds and torch.profiler table (_load), and what the loading process did each
     second, read from /proc: its CPU seconds in user and kernel mode, bytes read (all, and from
     the disk) and RSS, which tell a load that computes from one that reads or one that waits."""
-    proc, recv = _spawn(_load, str(pt2), str(under), str(cache), True)
+    proc, recv = _spawn(_load, str(pt2), str(under), str(cache), True, how)
     tick, timeline, start = os.sysconf("SC_CLK_TCK"), [], time.perf_counter()
     while not recv.poll(1.0):
         try:
@@ -129,10 +140,10 @@ def profiled(pt2: Path, under: Path, cache: Path) -> tuple[float, str, list[dict
     return seconds, table, timeline
 
 
-def loads(pt2: Path, under: Path, cache: Path | None, at_once: int) -> list:
+def loads(pt2: Path, under: Path, cache: Path | None, at_once: int, how: str = "aoti") -> list:
     """(seconds, .so files in Inductor's cache) of `at_once` loads started together, each in its
-    own process, as workers are."""
-    started = [_spawn(_load, str(pt2), str(under), cache and str(cache), False) for _ in range(at_once)]
+    own process, as workers are; `how` as _load's."""
+    started = [_spawn(_load, str(pt2), str(under), cache and str(cache), False, how) for _ in range(at_once)]
     results = [recv.recv() for _, recv in started]
     for proc, _ in started:
         proc.join()
@@ -166,6 +177,9 @@ def main() -> None:
         "load disk": lambda: loads(pt2, disk, cache, 1),
         "load shm": lambda: loads(pt2, SHM, cache, 1),
         "load disk, two at once": lambda: loads(pt2, disk, cache, 2),
+        "load_graph disk": lambda: loads(pt2, disk, cache, 1, "slm"),
+        "load_graph disk, two at once": lambda: loads(pt2, disk, cache, 2, "slm"),
+        "load_graph disk, six at once": lambda: loads(pt2, disk, cache, 6, "slm"),
     }
     for name, step in steps.items():
         try:
@@ -178,7 +192,11 @@ def main() -> None:
             seconds, table, timeline = profiled(pt2, disk, cache)
             result["load disk, profiled (s)"] = seconds
             result["load disk, profiled: the process each second"] = timeline
-            args.profile.write_text(f"aoti_load_package under torch.profiler: {seconds:.2f} s\n\n{table}\n")
+            text = f"aoti_load_package under torch.profiler: {seconds:.2f} s\n\n{table}\n"
+            seconds, table, timeline = profiled(pt2, disk, cache, "slm")
+            result["load_graph disk, profiled (s)"] = seconds
+            result["load_graph disk, profiled: the process each second"] = timeline
+            args.profile.write_text(text + f"\n\nload_graph under torch.profiler: {seconds:.2f} s\n\n{table}\n")
         except Exception as e:
             result["load disk, profiled (s)"] = f"failed: {e!r}"
     text = json.dumps(result, indent=1)

@@ -74,7 +74,7 @@ def build_package(
         lambda: compile_package(program, str(out_dir / package.GRAPH), progress),
     )
     eager = Runtime(graph, task, dev)
-    compiled = Runtime(load_graph(path), task, dev)
+    compiled = Runtime(load_graph(path, dev), task, dev)
     check = step("checking the compiled graph against eager", lambda: check_compiled(eager, compiled))
     if dev.type == "cuda":  # the way it serves: replayed from CUDA graphs, padded to size buckets
         del compiled
@@ -108,7 +108,7 @@ def build_package(
         )
         ref_check = step(
             "checking the reference against its eager graph",
-            lambda: check_compiled(higher, Runtime(load_graph(ref_path), higher.task, dev)),
+            lambda: check_compiled(higher, Runtime(load_graph(ref_path, dev), higher.task, dev)),
         )
         reference_node = {"file": package.REFERENCE, "precision": up, "check": ref_check}
     call_ms = step("timing calls at the token bounds (1, 2, 4 ... max_batch requests)", lambda: time_calls(compiled))

@@ -13,9 +13,11 @@ import os
 import shutil
 import tempfile
 import time
+import zipfile
 from pathlib import Path
 
 import torch
+import torch.utils._pytree as pytree
 from tokenizers import Tokenizer
 
 from slm_core import manifest as package
@@ -47,7 +49,7 @@ def load_package(
     graph_node = package.node(manifest, "graph")
     path = str(model_dir / graph_node["file"])
     if manifest["device"] != "cuda":
-        return engine(load_graph(path), task, "cpu", headroom=headroom)
+        return engine(load_graph(path, "cpu"), task, "cpu", headroom=headroom)
     device = worker_device(gpu_id)
     built = manifest["versions"]
     if list(torch.cuda.get_device_capability(device)) != built["capability"]:
@@ -69,9 +71,9 @@ def serving_engine(
     """A CUDA package's engine on `device`: with cuda_graphs, its calls replayed from CUDA graphs in
     the engine's request context, each bucket captured at its first call."""
     engine = engine or Runtime
-    # CUDA-graph capture needs the package's runner loaded single-threaded; AOTI takes no None index
+    # CUDA-graph capture needs the package's runner loaded single-threaded
     start = time.perf_counter()
-    graph = load_graph(path, run_single_threaded=cuda_graphs, device_index=device.index)
+    graph = load_graph(path, device, run_single_threaded=cuda_graphs)
     log.info("graph package loaded on %s in %.1f s", device, time.perf_counter() - start)
     if not cuda_graphs:
         return engine(graph, task, device, headroom=headroom)
@@ -88,9 +90,7 @@ def reference_engine(model_dir: "str | Path", task: Task, device: "torch.device 
     if not node:
         raise SpecError(f"the package in {model_dir} holds no accuracy reference: build it with --accuracy-reference")
     device = torch.device(device)
-    graph = load_graph(
-        str(Path(model_dir) / node["file"]), **({"device_index": device.index} if device.index is not None else {})
-    )
+    graph = load_graph(str(Path(model_dir) / node["file"]), device)
     return Runtime(graph, task, device)
 
 
@@ -107,36 +107,43 @@ def load_task(model_dir: Path, manifest: dict) -> Task:
     return task
 
 
-def load_graph(path: str, **kwargs):
-    """torch._inductor.aoti_load_package(path, **kwargs), extracting the package (its .so holds
-    the weights: hundreds of MB) into this process's own directory under TMPDIR/slm-aoti-UID.
-    The loader removes its extraction only when destroyed, which a worker that TorchServe kills
-    never is: so the directories of processes that are gone are removed here first, and this
-    process's at its exit where it gets one.
+class CompiledGraph:
+    """An AOTInductor package's model, called as the package's exported graph is: flat tensors in,
+    its outputs in their exported structure (a tensor, or a tuple of them) out."""
 
-    Inductor's cache stays where it was (TORCHINDUCTOR_CACHE_DIR, by default under the TMPDIR
-    before): a load compiles Inductor's CPU capability checks into it, about ten C++ programs,
-    which a cache in the per-process directory would compile again at every worker start (6 s of
-    a worker's load on 2 cores)."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    def __init__(self, runner):
+        self.runner = runner
+        self.out_spec = pytree.treespec_loads(runner.get_call_spec()[1])
 
-    cache_dir()  # resolved now, and pinned in the environment, before TMPDIR moves
-    scratch = _scratch()
-    with _env("TMPDIR", str(scratch)):  # where AOTInductor's C++ loader extracts to
-        return torch._inductor.aoti_load_package(path, **kwargs)
+    def __call__(self, *args: torch.Tensor):
+        return pytree.tree_unflatten(self.runner.run(list(args)), self.out_spec)
 
 
-@contextlib.contextmanager
-def _env(name: str, value: str):
-    before = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
+def load_graph(path: str, device: "torch.device | str", run_single_threaded: bool = False) -> CompiledGraph:
+    """The package at `path` (graph.pt2: a zip whose .so holds the weights, hundreds of MB), built
+    for `device`'s type, on `device`. run_single_threaded: one runner used by one thread at a time
+    (what CUDA-graph capture needs).
+
+    The package is extracted into this process's own directory under TMPDIR/slm-aoti-UID, and the
+    model runner built from the extracted .so. torch._inductor.aoti_load_package extracts through
+    AOTInductor's C++ package loader, about 10x slower (a 541 MB package on 2 cores: 4.6-4.9 s,
+    against 0.5 s to extract and 0.3-0.45 s to build the runner), and on the way imports
+    torch._inductor and compiles Inductor's CPU capability checks. The extraction stays until the
+    process exits, and a worker that TorchServe kills never does: so the directories of
+    processes that are gone are removed here first, and this process's at its exit where it gets one."""
+    device = torch.device(device)
+    target = Path(tempfile.mkdtemp(dir=_scratch()))
+    with zipfile.ZipFile(path) as archive:
+        archive.extractall(target)
+    (so,) = target.glob("**/*.so")  # the model's wrapper; CUDA kernels are cubins beside it
+    if device.type == "cuda":
+        index = torch.cuda.current_device() if device.index is None else device.index
+        runner = torch._C._aoti.AOTIModelContainerRunnerCuda(
+            str(so), 1, f"cuda:{index}", str(so.parent), run_single_threaded
+        )
+    else:  # one thread at a time either way: a CPU call is the worker's whole call
+        runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(so), 1)
+    return CompiledGraph(runner)
 
 
 def _scratch() -> Path:
@@ -145,7 +152,7 @@ def _scratch() -> Path:
     namespace that shares TMPDIR), and is removed before this one is made."""
     global _mine
     if _mine is None:
-        root = Path(tempfile.gettempdir()) / f"{SCRATCH}-{os.getuid()}"  # cached before _env changes TMPDIR
+        root = Path(tempfile.gettempdir()) / f"{SCRATCH}-{os.getuid()}"
         root.mkdir(mode=0o700, exist_ok=True)
         for other in root.iterdir():
             _remove_if_stale(other)

@@ -195,7 +195,13 @@ class FakeCuda:
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H200")
         monkeypatch.setattr(torch.cuda, "set_device", lambda d: self.record("set_device", d))
         monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 0)
-        monkeypatch.setattr(loader, "load_graph", lambda path, **kw: self.record("load", kw) or "graph")
+        monkeypatch.setattr(
+            loader,
+            "load_graph",
+            lambda path, device, run_single_threaded=False: (
+                self.record("load", (device, run_single_threaded)) or "graph"
+            ),
+        )
         monkeypatch.setattr(
             loader,
             "CudaGraphs",
@@ -233,7 +239,7 @@ def test_worker_places_everything_on_its_gpu(archives, tmp_path, monkeypatch, gp
     assert cuda.calls == [
         ("set_device", device),
         ("capability", device),
-        ("load", {"run_single_threaded": True, "device_index": index}),
+        ("load", (device, True)),
         ("engine", ("graph", device)),
         ("replay", (device, "s")),  # on the request context's stream; nothing captured before a call
     ]
@@ -245,7 +251,7 @@ def test_worker_without_cuda_graphs_loads_the_runner_for_several_threads(archive
         _as_cuda_package(archives, tmp_path), ServingSpec("cuda", 1, 2, 8, cuda_graphs=False).model_config()
     )
     SlmHandler().initialize(ctx)
-    assert ("load", {"run_single_threaded": False, "device_index": 0}) in cuda.calls
+    assert ("load", (torch.device("cuda", 0), False)) in cuda.calls
     assert not [c for c in cuda.calls if c[0] == "replay"]
 
 
