@@ -125,10 +125,11 @@ def load_graph(path: str, device: "torch.device | str", run_single_threaded: boo
     (what CUDA-graph capture needs).
 
     The package is extracted into this process's own directory under TMPDIR/slm-aoti-UID, and the
-    model runner built from the extracted .so. torch._inductor.aoti_load_package extracts through
-    AOTInductor's C++ package loader, about 10x slower (a 541 MB package on 2 cores: 4.6-4.9 s,
-    against 0.5 s to extract and 0.3-0.45 s to build the runner), and on the way imports
-    torch._inductor and compiles Inductor's CPU capability checks. The extraction stays until the
+    model runner built from the extracted .so. torch._inductor.aoti_load_package, AOTInductor's
+    own package loader, is several times slower (a 541 MB package on 2 cores, in a fresh process:
+    4.8-7.0 s against 1.0-1.6 s), and on the way imports torch._inductor and compiles Inductor's
+    CPU capability checks; it stays as the fallback for a torch whose binding lacks the CUDA
+    runner's constructor with run_single_threaded. The extraction stays until the
     process exits, and a worker that TorchServe kills never does: so the directories of
     processes that are gone are removed here first, and this process's at its exit where it gets one."""
     device = torch.device(device)
@@ -136,13 +137,25 @@ def load_graph(path: str, device: "torch.device | str", run_single_threaded: boo
     with zipfile.ZipFile(path) as archive:
         archive.extractall(target)
     (so,) = target.glob("**/*.so")  # the model's wrapper; CUDA kernels are cubins beside it
-    if device.type == "cuda":
-        index = torch.cuda.current_device() if device.index is None else device.index
+    if device.type != "cuda":  # one thread at a time either way: a CPU call is the worker's whole call
+        return CompiledGraph(torch._C._aoti.AOTIModelContainerRunnerCpu(str(so), 1))
+    index = torch.cuda.current_device() if device.index is None else device.index
+    try:
         runner = torch._C._aoti.AOTIModelContainerRunnerCuda(
             str(so), 1, f"cuda:{index}", str(so.parent), run_single_threaded
         )
-    else:  # one thread at a time either way: a CPU call is the worker's whole call
-        runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(so), 1)
+    except TypeError as e:  # a torch whose binding lacks this constructor: AOTInductor's own loader
+        log.warning("loading %s through aoti_load_package (%s)", path, e)
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / "torchinductor_slm"))
+        before = os.environ.get("TMPDIR")
+        os.environ["TMPDIR"] = str(target)  # where it extracts: this process's directory, removed with it
+        try:
+            return torch._inductor.aoti_load_package(path, run_single_threaded=run_single_threaded, device_index=index)
+        finally:
+            if before is None:
+                os.environ.pop("TMPDIR", None)
+            else:
+                os.environ["TMPDIR"] = before
     return CompiledGraph(runner)
 
 
