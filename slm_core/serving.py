@@ -37,9 +37,7 @@ class ServingOptions:
     batch_delay_ms: int = 1  # the longest wait for more requests to batch
     response_timeout_s: int = 120  # a call longer than this: TorchServe restarts the worker
     device_ids: tuple[int, ...] = ()  # the GPUs this model's workers go to, in turn
-    cuda_graphs: bool = (
-        True  # replay calls from CUDA graphs, each bucket captured at its first call (off: GPU memory for many models)
-    )
+    cuda_graphs: bool = True  # replay calls from CUDA graphs, each captured at first use (off: GPU memory)
     catalog_store: str | None = None  # catalog tasks: the directory of catalog versions workers follow
     # the online accuracy guard (archives with a reference graph): the share of requests recomputed
     # by the reference, and the thresholds past which one is a breach (the FP8 gate's defaults)

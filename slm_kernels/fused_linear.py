@@ -42,6 +42,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from slm_kernels.online_softmax import launch_options
+from slm_kernels.silu_mul import silu_times
 
 # The epilogues: plain ints for launches (Inductor writes them into its generated source), and
 # the same as constexprs for the kernels to compare with.
@@ -126,8 +127,7 @@ def _epilogue(
         yf = tl.where(ok, y.to(tl.float32), 0.0)
         tl.store(sq_out_ptr + tile_n * rows + m, tl.sum(yf * yf, 1), mask=row_ok)  # this tile's part of each row's
     elif EPILOGUE == _SILU:
-        act = (y1 / (1.0 + tl.exp(-y1))).to(dtype).to(tl.float32)
-        tl.store(out_ptr + m[:, None] * N + c1[None, :], (act * y2).to(dtype), mask=ok)
+        tl.store(out_ptr + m[:, None] * N + c1[None, :], silu_times(y1, y2, dtype).to(dtype), mask=ok)
     else:
         HALF: tl.constexpr = HEAD_DIM // 2
         d = c1 % HEAD_DIM  # columns of the head's first half
@@ -232,13 +232,8 @@ def _fused_linear_kernel(
         if EPILOGUE != _RESIDUAL:
             w2 = tl.load(w_ptr + c2[None, :].to(tl.int64) * K + ks[:, None], mask=w_ok, other=0.0)
             acc2 = tl.dot(x, w2, acc2, input_precision=PRECISION)
-    if splits == 1:
-        _epilogue(
-            acc1, acc2, m, row_ok, c1, c2, col_ok, pid_n, head, b_ptr, res_ptr, sq_ptr, cos_ptr, sin_ptr, qw_ptr,
-            kw_ptr, out_ptr, k_ptr, v_ptr, sq_out_ptr, rows, sq_parts, eps, qk_eps, stride_res, stride_cos, N, K,
-            NORM, PARTS, BIAS, EPILOGUE, HEADS, KV_HEADS, HEAD_DIM, QK_NORM,
-        )  # fmt: skip
-    else:
+    finish = splits == 1  # this program runs the epilogue: alone on its tile, or the last to arrive
+    if splits > 1:
         TILE: tl.constexpr = BLOCK_M * BLOCK_N
         tile = pid_m * tl.num_programs(1) + pid_n
         at = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + n[None, :]
@@ -247,7 +242,8 @@ def _fused_linear_kernel(
         if EPILOGUE != _RESIDUAL:
             tl.store(mine + TILE + at, acc2)
         tl.debug_barrier()  # every thread's partial is written before the counter moves (release)
-        if tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel") == splits - 1:
+        finish = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel") == splits - 1
+        if finish:
             acc1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for s in range(0, splits):  # in split order: the sum does not depend on who came last
@@ -256,11 +252,12 @@ def _fused_linear_kernel(
                 if EPILOGUE != _RESIDUAL:
                     acc2 += tl.load(part + TILE + at, cache_modifier=".cg")
             tl.store(lock_ptr + tile, 0)
-            _epilogue(
-                acc1, acc2, m, row_ok, c1, c2, col_ok, pid_n, head, b_ptr, res_ptr, sq_ptr, cos_ptr, sin_ptr, qw_ptr,
-                kw_ptr, out_ptr, k_ptr, v_ptr, sq_out_ptr, rows, sq_parts, eps, qk_eps, stride_res, stride_cos, N,
-                K, NORM, PARTS, BIAS, EPILOGUE, HEADS, KV_HEADS, HEAD_DIM, QK_NORM,
-            )  # fmt: skip
+    if finish:
+        _epilogue(
+            acc1, acc2, m, row_ok, c1, c2, col_ok, pid_n, head, b_ptr, res_ptr, sq_ptr, cos_ptr, sin_ptr, qw_ptr,
+            kw_ptr, out_ptr, k_ptr, v_ptr, sq_out_ptr, rows, sq_parts, eps, qk_eps, stride_res, stride_cos, N, K,
+            NORM, PARTS, BIAS, EPILOGUE, HEADS, KV_HEADS, HEAD_DIM, QK_NORM,
+        )  # fmt: skip
 
 
 def _launch(

@@ -147,16 +147,22 @@ def load_graph(path: str, device: "torch.device | str", run_single_threaded: boo
     except TypeError as e:  # a torch whose binding lacks this constructor: AOTInductor's own loader
         log.warning("loading %s through aoti_load_package (%s)", path, e)
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / "torchinductor_slm"))
-        before = os.environ.get("TMPDIR")
-        os.environ["TMPDIR"] = str(target)  # where it extracts: this process's directory, removed with it
-        try:
+        with _env("TMPDIR", str(target)):  # where it extracts: this process's directory, removed with it
             return torch._inductor.aoti_load_package(path, run_single_threaded=run_single_threaded, device_index=index)
-        finally:
-            if before is None:
-                os.environ.pop("TMPDIR", None)
-            else:
-                os.environ["TMPDIR"] = before
     return CompiledGraph(runner)
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def _scratch() -> Path:

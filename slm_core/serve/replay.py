@@ -23,7 +23,6 @@ within the task's bounds lands in.
 """
 
 import logging
-import time
 
 import torch
 
@@ -132,7 +131,6 @@ class CudaGraphs:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, object]] = {}
         self.pool = None
         self.failed = False  # a capture failed: every call runs the graph as it is
-        self.capture_s = 0.0  # what the captures took so far
 
     def __call__(self, ids: torch.Tensor, cu: torch.Tensor, options: torch.Tensor | None, sequences: int, tokens: int):
         """The graph's outputs (device tensors, valid until the next call) for the packed call in
@@ -167,7 +165,6 @@ class CudaGraphs:
         (something in the graph cannot be captured), calls run without CUDA graphs from now on
         (None: the caller runs the graph as it is)."""
         args = (self.ids[:t], self.cu[: n + 1], *([] if self.options is None else [self.options[:n]]), *self.constants)
-        start = time.perf_counter()
         self.graph(*args)
         graph = torch.cuda.CUDAGraph()
         try:
@@ -180,8 +177,6 @@ class CudaGraphs:
             self.graphs.clear()
             self.failed = True
             return None
-        finally:
-            self.capture_s += time.perf_counter() - start
         self.pool = graph.pool()
         graph.replay()
         self.graphs[key] = (graph, outputs)

@@ -206,7 +206,7 @@ class FakeCuda:
             loader,
             "CudaGraphs",
             lambda graph, task, device, constants, stream: (
-                self.record("replay", (device, stream)) or SimpleNamespace(graphs={}, capture_s=0.0)
+                self.record("replay", (device, stream)) or SimpleNamespace(graphs={})
             ),
         )
         monkeypatch.setattr(
