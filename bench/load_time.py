@@ -9,9 +9,10 @@ holds the weights) is timed:
 - loaded as a worker loads it (slm_core.serve.loader.load_graph: Python's zipfile extracts it,
   the runner is built from the extracted .so), alone, two and six at once.
 
-    python -m bench.load_time --package DIR [--out FILE] [--profile FILE]
+    python -m bench.load_time --package DIR [--out FILE] [--profile FILE] [--only TEXT]
 (DIR: an unpacked slm_*.mar, e.g. by bench.run; --profile: one more load under torch.profiler,
-its CPU ops and CUDA runtime calls by self time into FILE)
+its CPU ops and CUDA runtime calls by self time into FILE, for each loader --only keeps; --only:
+the steps whose name holds TEXT, e.g. load_graph)
 """
 
 import argparse
@@ -155,6 +156,7 @@ def main() -> None:
     p.add_argument("--package", type=Path, required=True)
     p.add_argument("--out", type=Path)
     p.add_argument("--profile", type=Path, help="one more load under torch.profiler: its table into this file")
+    p.add_argument("--only", default="", help="run only the steps whose name holds this text")
     args = p.parse_args()
     pt2 = args.package / "graph.pt2"
     disk = Path(tempfile.gettempdir())
@@ -182,23 +184,27 @@ def main() -> None:
         "load_graph disk, six at once": lambda: loads(pt2, disk, cache, 6, "slm"),
     }
     for name, step in steps.items():
+        if args.only not in name:
+            continue
         try:
             result[name] = step()
         except Exception as e:  # a full /dev/shm, say: recorded, the other steps still run
             result[name] = f"failed: {e!r}"
         print(name, result[name], flush=True)
     if args.profile:
-        try:
-            seconds, table, timeline = profiled(pt2, disk, cache)
-            result["load disk, profiled (s)"] = seconds
-            result["load disk, profiled: the process each second"] = timeline
-            text = f"aoti_load_package under torch.profiler: {seconds:.2f} s\n\n{table}\n"
-            seconds, table, timeline = profiled(pt2, disk, cache, "slm")
-            result["load_graph disk, profiled (s)"] = seconds
-            result["load_graph disk, profiled: the process each second"] = timeline
-            args.profile.write_text(text + f"\n\nload_graph under torch.profiler: {seconds:.2f} s\n\n{table}\n")
-        except Exception as e:
-            result["load disk, profiled (s)"] = f"failed: {e!r}"
+        tables = []
+        for label, how in (("load", "aoti"), ("load_graph", "slm")):
+            if args.only not in label + " disk, profiled":
+                continue
+            try:
+                seconds, table, timeline = profiled(pt2, disk, cache, how)
+            except Exception as e:
+                result[f"{label} disk, profiled (s)"] = f"failed: {e!r}"
+                continue
+            result[f"{label} disk, profiled (s)"] = seconds
+            result[f"{label} disk, profiled: the process each second"] = timeline
+            tables.append(f"{label} under torch.profiler: {seconds:.2f} s\n\n{table}\n")
+        args.profile.write_text("\n\n".join(tables))
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

@@ -15,23 +15,14 @@ the next step's reordering gather: those kernels are listed, and count here, not
 Variants:
 - "bf16": the graphs' decode (the Triton attention, QK-norm + RoPE and SiLU * up kernels,
   cuBLAS projections);
-- "bf16 fused": the decode layer-step as four Triton GEMMs with the norms, bias, RoPE, SiLU·up
-  and residual adds fused in, and the attention (Block.decode_fused, slm_kernels.fused_linear),
-  at fused_linear.TILES;
-- "bf16 fused tuned": the same at the tiles the op table below found fastest per projection;
 - "fp8-static": the same as "bf16" with qkv, gate/up and down in E4M3 with one scale per tensor
   (slm_core.compile.fp8), the input scales calibrated on the bench's own inputs.
 A candidate joins as another variant: a function of the bf16 model that returns the model to time.
 
-Before the variants, the op table times each fused projection alone over the 24 layers' weights
-(each layer's from HBM) at each row count, for each of TILE_CANDIDATES, beside cuBLAS's GEMM of
-the same shape (F.linear, without the work fused around it) and the weights' read floor.
-
-    python -m bench.step_bench --out FILE.json [--rows 100,200,400,800] [--variants "bf16,bf16 fused"]
+    python -m bench.step_bench --out FILE.json [--rows 100,200,400,800] [--variants "bf16,fp8-static"]
 """
 
 import argparse
-import copy
 import json
 
 import torch
@@ -122,10 +113,6 @@ def measure(model: Transformer, rows_list: list[int], gbps: float, compiled: boo
     layers = torch.compile(decode, dynamic=True, fullgraph=True) if compiled else decode
     head = torch.compile(lambda hidden: vocab_topk(model.logits(hidden), 2 * WIDTH), dynamic=True, fullgraph=True)
     n, layer = len(model.layers), weight_bytes(model.layers[0])
-    if model.fused_decode:  # its folded copies are read instead of these
-        layer -= sum(
-            w.numel() * w.element_size() for w in (model.layers[0].attn.qkv.weight, model.layers[0].mlp.gate_up.weight)
-        )
     out = {}
     for rows in rows_list:
         args = step_inputs(model, rows)
@@ -145,120 +132,9 @@ def measure(model: Transformer, rows_list: list[int], gbps: float, compiled: boo
     return out
 
 
-# Tiles for slm_kernels.fused_linear to try per projection: block_m, block_n, block_k, num_warps,
-# num_stages, and the split-K target (0: the SM count).
-TILE_CANDIDATES = [  # the H100 op table's winners (bench/RESULTS.md, 1830Z) and their neighbours
-    (64, 64, 64, 4, 4, 0),
-    (128, 64, 128, 8, 3, 0),
-    (64, 32, 64, 4, 3, 0),
-    (128, 64, 64, 8, 3, 0),
-]
-TILE_KEYS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "programs")
-
-
-def fused_op_table(model: Transformer, rows_list: list[int], gbps: float) -> dict:
-    """Each fused projection alone, per row count and tile candidate: µs per layer over the 24
-    layers' weights, with cuBLAS's plain GEMM of the same shape and the read floor beside it."""
-    import torch.nn.functional as F
-
-    from slm_kernels.fused_linear import LOCKS, RESIDUAL, ROPE, SILU, _launch, fold_norm
-
-    s, n = model.spec, len(model.layers)
-    locks = torch.zeros(LOCKS, dtype=torch.int32, device="cuda")
-    folded = [
-        (fold_norm(ly.attn.qkv.weight, ly.input_norm.weight), fold_norm(ly.mlp.gate_up.weight, ly.post_norm.weight))
-        for ly in model.layers
-    ]
-    table: dict = {}
-    for rows in rows_list:
-        torch.manual_seed(rows)
-        x = torch.randn(rows, s.hidden_size, device="cuda", dtype=torch.bfloat16)
-        sumsq = x.float().pow(2).sum(-1)[None]
-        o = torch.randn(rows, s.q_size, device="cuda", dtype=torch.bfloat16)
-        h = torch.randn(rows, s.intermediate_size, device="cuda", dtype=torch.bfloat16)
-        cos, sin = model._rope(torch.full((rows,), PROMPT, device="cuda"), torch.bfloat16)
-        q = torch.empty(rows, s.num_heads, s.head_dim, device="cuda", dtype=torch.bfloat16)
-        k, v = (torch.empty(rows, s.num_kv_heads, s.head_dim, device="cuda", dtype=torch.bfloat16) for _ in "kv")
-        gu = torch.empty(rows, s.intermediate_size, device="cuda", dtype=torch.bfloat16)
-        y = torch.empty_like(x)
-        y_sumsq = torch.empty(s.hidden_size // 16, rows, device="cuda")  # room for block_n >= 16
-        half, heads = s.head_dim // 2, s.num_heads + 2 * s.num_kv_heads
-
-        def qkv(i, t):
-            t = {**t, "block_n": half if s.qk_norm else min(t["block_n"], half)}
-            a = model.layers[i].attn
-            qk = (a.q_norm.weight, a.k_norm.weight) if a.q_norm is not None else (None, None)
-            _launch(
-                x, folded[i][0], q, locks, heads * (half // t["block_n"]), folded[i][0].shape[0], ROPE, sumsq=sumsq,
-                eps=s.rms_norm_eps, bias=a.qkv.bias, rope=(cos, sin), qk_weights=qk, qk_eps=s.rms_norm_eps,
-                kv_out=(k, v), heads=(s.num_heads, s.num_kv_heads, s.head_dim), **t,
-            )  # fmt: skip
-
-        def gate_up(i, t):
-            inner = s.intermediate_size
-            _launch(
-                x, folded[i][1], gu, locks, -(-inner // t["block_n"]), inner, SILU, sumsq=sumsq, eps=s.rms_norm_eps,
-                bias=model.layers[i].mlp.gate_up.bias, **t,
-            )  # fmt: skip
-
-        def proj(inp, linear):
-            return lambda i, t: _launch(
-                inp, linear(model.layers[i]).weight, y, locks, -(-s.hidden_size // t["block_n"]), s.hidden_size,
-                RESIDUAL, bias=linear(model.layers[i]).bias, residual=x, sumsq_out=y_sumsq, **t,
-            )  # fmt: skip
-
-        ops = {  # op: (launch, the projection's input and module)
-            "qkv": (qkv, x, lambda layer: layer.attn.qkv),
-            "gate_up": (gate_up, x, lambda layer: layer.mlp.gate_up),
-            "o": (proj(o, lambda layer: layer.attn.o), o, lambda layer: layer.attn.o),
-            "down": (proj(h, lambda layer: layer.mlp.down), h, lambda layer: layer.mlp.down),
-        }
-        for op, (launch, inp, linear) in ops.items():
-            floor = weight_bytes(linear(model.layers[0])) / gbps / 1e3
-            cublas = graph_ms(lambda: [F.linear(inp, linear(ly).weight, linear(ly).bias) for ly in model.layers], 2)
-            entry = {"floor_us": floor, "cublas_gemm_us": cublas * 1e3 / n, "tiles": {}}
-            for cand in TILE_CANDIDATES:
-                t = dict(zip(TILE_KEYS, cand))
-                try:
-                    entry["tiles"][str(cand)] = graph_ms(lambda: [launch(i, t) for i in range(n)], 2) * 1e3 / n
-                except Exception as e:  # a tile that does not compile (shared memory) is reported
-                    entry["tiles"][str(cand)] = f"{type(e).__name__}: {e}"[:200]
-            table.setdefault(op, {})[rows] = entry
-    return table
-
-
-def best_tiles(table: dict) -> dict:
-    """Per op, the candidate with the least µs summed over the row counts."""
-    best = {}
-    for op, by_rows in table.items():
-        totals = {}
-        for entry in by_rows.values():
-            for cand, us in entry["tiles"].items():
-                totals[cand] = totals.get(cand, 0.0) + (us if isinstance(us, float) else float("inf"))
-        cand = min(totals, key=totals.get)
-        best[op] = dict(zip(TILE_KEYS, eval(cand)))  # noqa: S307 - our own str(tuple of ints)
-    return best
-
-
-def fused(model: Transformer) -> Transformer:
-    """model (a shallow copy: the weights are shared) decoding through Block.decode_fused."""
-    return copy.copy(model).fuse_decode()
-
-
-def fused_tuned(model: Transformer) -> Transformer:
-    from slm_kernels import fused_linear
-
-    fused_linear.TILES.update(TUNED)
-    return fused(model)
-
-
-TUNED: dict = {}  # best_tiles of this run's op table
-
 # name: the model to time, from the bf16 model
 VARIANTS = {
     "bf16": lambda model: model,
-    "bf16 fused": fused,
-    "bf16 fused tuned": fused_tuned,
     "fp8-static": fp8_static,
 }
 
@@ -268,7 +144,6 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--rows", default="100,200,400,800")
     p.add_argument("--variants", default=",".join(VARIANTS), help="which VARIANTS, comma-separated")
-    p.add_argument("--no-op-table", action="store_true", help="the variants alone (fused tuned = fused)")
     args = p.parse_args()
     rows_list = [int(r) for r in args.rows.split(",")]
     torch._dynamo.config.cache_size_limit = 64
@@ -282,15 +157,6 @@ def main() -> None:
     }
     print(f"HBM read rate {gbps:.0f} GB/s")
     model = random_model()
-    table = {} if args.no_op_table else fused_op_table(model, rows_list, gbps)
-    TUNED.update(best_tiles(table))
-    results["fused_op_table"], results["tuned_tiles"] = table, TUNED
-    for op, by_rows in table.items():
-        print(f"\n{op}: us per layer; tiles {TILE_KEYS}")
-        for rows, e in by_rows.items():
-            tiles = "  ".join(f"{c}:{us:.2f}" if isinstance(us, float) else f"{c}:err" for c, us in e["tiles"].items())
-            print(f"  {rows:4d} rows: floor {e['floor_us']:.2f}, cuBLAS GEMM {e['cublas_gemm_us']:.2f} | {tiles}")
-    print(f"\ntuned tiles: {TUNED}")
     reference: dict[int, torch.Tensor] = {}
     for name, make in VARIANTS.items():  # in order: each variant may change the model in place
         if name not in args.variants.split(","):

@@ -54,53 +54,6 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def norm_linear_ref(
-    x: torch.Tensor, sumsq: torch.Tensor, eps: float, weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """F.linear(rms_norm_ref(x, w_norm, eps), W, bias) in the fused kernels' form: `weight` is W with
-    w_norm folded into its columns (slm_kernels.fused_linear.fold_norm) and `sumsq` [P, T] holds
-    partial sums of each row's squares. The norm's factor scales the FP32 product; the result is
-    rounded once, to x's dtype."""
-    r = torch.rsqrt(sumsq.sum(0) / x.shape[-1] + eps)[:, None]
-    y = F.linear(x.float(), weight.float()) * r
-    return (y if bias is None else y + bias.float()).to(x.dtype)
-
-
-def norm_qkv_rope_ref(
-    x: torch.Tensor,
-    sumsq: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    heads: int,
-    kv_heads: int,
-    q_weight: torch.Tensor | None,
-    k_weight: torch.Tensor | None,
-    qk_eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A decode layer-step's attention input: norm_linear_ref (RMSNorm and the fused QKV
-    projection), then qkv_rope_ref."""
-    return qkv_rope_ref(
-        norm_linear_ref(x, sumsq, eps, weight, bias), cos, sin, heads, kv_heads, q_weight, k_weight, qk_eps
-    )
-
-
-def norm_gate_up_silu_ref(
-    x: torch.Tensor, sumsq: torch.Tensor, eps: float, weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """The MLP's first half: norm_linear_ref (RMSNorm and the fused gate/up projection), silu_mul_ref."""
-    return silu_mul_ref(norm_linear_ref(x, sumsq, eps, weight, bias))
-
-
-def linear_residual_ref(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor
-) -> torch.Tensor:
-    """residual + x W^T (+ bias): the o- and down-projections with their residual adds."""
-    return residual + F.linear(x, weight, bias)
-
-
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
 
 

@@ -17,19 +17,12 @@ from torch.library import triton_op, wrap_triton
 
 
 @triton.jit
-def silu_times(gate, up, dtype: tl.constexpr):
-    """SiLU(gate) * up of FP32 values of dtype, rounded where transformers rounds (an FP32 value of
-    dtype; slm_kernels.fused_linear's gate/up epilogue shares it)."""
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    return (act * up).to(dtype).to(tl.float32)
-
-
-@triton.jit
 def _silu_mul(x_ptr, row, cols, ok, inner, stride_x, dtype: tl.constexpr):
-    """SiLU(gate) * up of one row's columns (silu_times)."""
+    """SiLU(gate) * up of one row's columns, rounded where transformers rounds (FP32 values of dtype)."""
     gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + inner + cols, mask=ok, other=0.0).to(tl.float32)
-    return silu_times(gate, up, dtype)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (act * up).to(dtype).to(tl.float32)
 
 
 @triton.jit

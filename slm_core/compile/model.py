@@ -139,30 +139,6 @@ class Block(nn.Module):
         x = x + a
         return x + self.mlp(self.post_norm(x)), kv
 
-    def decode_fused(
-        self, x, sumsq, cos, sin, prefix: KV, prefix_cu, suffix: KV | None, locks
-    ) -> tuple[torch.Tensor, torch.Tensor, KV]:
-        """Attention.decode and the MLP over x in four Triton kernels and the attention
-        (slm_kernels.fused_linear): the norms, bias, QK-norm, RoPE, SiLU·up and residual adds inside
-        the projections' GEMMs. sumsq: x's rows' sums of squares as partial sums [P, T]; returns
-        the block's output, its sums of squares and the grown K/V. Needs Transformer.fuse_decode."""
-        from slm_kernels.fused_linear import linear_residual, norm_gate_up_silu, norm_qkv_rope
-
-        a, s = self.attn, self.attn.spec
-        qk = (a.q_norm.weight, a.k_norm.weight) if a.q_norm is not None else (None, None)
-        eps = s.rms_norm_eps
-        q, k, v = norm_qkv_rope(
-            x, sumsq, eps, self.qkv_folded, a.qkv.bias, cos, sin, s.num_heads, s.num_kv_heads, *qk, eps, locks
-        )
-        k, v = k[:, None], v[:, None]
-        if suffix is not None:
-            k, v = torch.cat([suffix[0], k], dim=1), torch.cat([suffix[1], v], dim=1)
-        o = a.ops.prefix_attention(q, prefix[0], prefix[1], k, v, a.scale, prefix_cu)
-        x, sumsq = linear_residual(o.flatten(1), a.o.weight, a.o.bias, x, locks, "o")
-        h = norm_gate_up_silu(x, sumsq, eps, self.gate_up_folded, self.mlp.gate_up.bias, locks)
-        x, sumsq = linear_residual(h, self.mlp.down.weight, self.mlp.down.bias, x, locks, "down")
-        return x, sumsq, (k, v)
-
 
 class Transformer(nn.Module):
     def __init__(self, spec: ModelSpec, max_positions: int, kernels: str = "reference"):
@@ -174,7 +150,6 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.max_positions = max_positions
-        self.fused_decode = False  # fuse_decode()
         self.register_buffer("cos", torch.empty(max_positions, spec.head_dim), persistent=False)
         self.register_buffer("sin", torch.empty(max_positions, spec.head_dim), persistent=False)
         self.finish()
@@ -189,21 +164,6 @@ class Transformer(nn.Module):
         angles = torch.cat([angles, angles], dim=-1).to(self.cos.device)
         self.cos = angles.cos()
         self.sin = angles.sin()
-
-    def fuse_decode(self) -> "Transformer":
-        """Decode through Block.decode_fused: each block gets its qkv and gate/up weights with its
-        norms' weights folded in, and the model the split-K counters its kernels share (zeros, left
-        zero by every call)."""
-        from slm_kernels.fused_linear import LOCKS, fold_norm
-
-        for layer in self.layers:
-            folded = fold_norm(layer.attn.qkv.weight, layer.input_norm.weight)
-            layer.register_buffer("qkv_folded", folded, persistent=False)
-            folded = fold_norm(layer.mlp.gate_up.weight, layer.post_norm.weight)
-            layer.register_buffer("gate_up_folded", folded, persistent=False)
-        self.register_buffer("locks", torch.zeros(LOCKS, dtype=torch.int32, device=self.cos.device), persistent=False)
-        self.fused_decode = True
-        return self
 
     @classmethod
     def empty(
@@ -259,14 +219,10 @@ class Transformer(nn.Module):
         decode. Returns hidden [B*W, hidden] and the suffixes grown by this token ([B*W, S+1, Hkv, D])."""
         x = self.embed(input_ids)
         cos, sin = self._rope(positions, x.dtype)
-        sumsq = x.float().pow(2).sum(-1)[None] if self.fused_decode else None  # one partial sum a row
         grown = []
         for i, layer in enumerate(self.layers):
             past = None if suffix is None else suffix[i]
-            if self.fused_decode:
-                x, sumsq, kv = layer.decode_fused(x, sumsq, cos, sin, prefix[i], prefix_cu, past, self.locks)
-            else:
-                x, kv = layer.run(x, lambda h, a=layer.attn, p=prefix[i]: a.decode(h, cos, sin, p, prefix_cu, past))
+            x, kv = layer.run(x, lambda h, a=layer.attn, p=prefix[i]: a.decode(h, cos, sin, p, prefix_cu, past))
             grown.append(kv)
         return x, grown
 

@@ -11,15 +11,12 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
-FLOATS = ("scale", "eps", "qk_eps")  # the kernels' float arguments; every other non-pointer one is an int
+FLOATS = ("scale", "eps")  # the kernels' float arguments; every other non-pointer one is an int
 
 
-def compile_for_hopper(
-    kernel, constants: dict, pointers: dict | None = None, float_type: str = "fp32", aligned: bool = False
-) -> dict:
+def compile_for_hopper(kernel, constants: dict, pointers: dict | None = None, float_type: str = "fp32") -> dict:
     """kernel compiled for sm_90 with these constexprs; pointers: a type per pointer argument
-    other than bf16 (by name); aligned: pointers and stride_* arguments known to be multiples of
-    16, as a launch with such values tells Triton. Returns the stages' code (ttir ... cubin)."""
+    other than bf16 (by name). Returns the stages' code (ttir ... cubin)."""
     pointers = pointers or {}
     signature = {
         name: "constexpr"
@@ -32,12 +29,8 @@ def compile_for_hopper(
         for name in kernel.arg_names
     }
     names = list(signature)
-    hints = [name for name in names if aligned and (name.endswith("_ptr") or name.startswith("stride"))]
     source = ASTSource(
-        fn=kernel,
-        signature=signature,
-        constexprs={(names.index(name),): value for name, value in constants.items()},
-        attrs={(names.index(name),): [["tt.divisibility", 16]] for name in hints},
+        fn=kernel, signature=signature, constexprs={(names.index(name),): value for name, value in constants.items()}
     )
     return triton.compile(source, target=HOPPER).asm
 
@@ -99,33 +92,3 @@ def test_row_topk_compiles_for_hopper(dtype):
     for has_ids in (False, True):  # a row's first level, and the next ones over a level's candidates
         pointers = {"x_ptr": dtype, "values_ptr": dtype, "ids_ptr": "*i64", "out_ids_ptr": "*i64"}
         assert compile_for_hopper(_row_topk_kernel, dict(HAS_IDS=has_ids, BLOCK=8192), pointers)["cubin"]
-
-
-@pytest.mark.parametrize(
-    "hidden, inner, heads, kv_heads, head_dim, qk_norm",
-    [(896, 4864, 14, 2, 64, False), (1024, 3072, 16, 8, 128, True)],  # Qwen2.5-0.5B (QKV bias); Qwen3-0.6B
-)
-def test_fused_linear_compiles_for_hopper(hidden, inner, heads, kv_heads, head_dim, qk_norm):
-    from slm_kernels.fused_linear import RESIDUAL, ROPE, SILU, TILES, _fused_linear_kernel
-
-    pointers = {"part_ptr": "*fp32", "lock_ptr": "*i32", "sq_ptr": "*fp32", "sq_out_ptr": "*fp32"}
-    heads = dict(HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim)
-    cases = {  # op: (epilogue, N, K, norm, bias, QK-norm)
-        "qkv": (ROPE, (heads["HEADS"] + 2 * kv_heads) * head_dim, hidden, True, not qk_norm, qk_norm),
-        "gate_up": (SILU, inner, hidden, True, False, False),
-        "o": (RESIDUAL, hidden, heads["HEADS"] * head_dim, False, False, False),
-        "down": (RESIDUAL, hidden, inner, False, False, False),
-    }
-    for op, (epilogue, n, k, norm, bias, qk) in cases.items():
-        tiles = TILES[op]
-        half = head_dim // 2
-        block_n = tiles["block_n"] if epilogue != ROPE else half if qk else min(tiles["block_n"], half)
-        constants = dict(
-            N=n, K=k, BLOCK_M=tiles["block_m"], BLOCK_N=block_n, BLOCK_K=tiles["block_k"], NORM=norm, PARTS=32,
-            BIAS=bias, EPILOGUE=epilogue, QK_NORM=qk, PRECISION="tf32", **heads,
-        )  # fmt: skip
-        for float_type in ("fp32", "fp64"):
-            asm = compile_for_hopper(_fused_linear_kernel, constants, pointers, float_type, aligned=True)
-            # Hopper's tensor-core MMA, fed by asynchronous copies: the K loop is software-pipelined
-            # (a K offset not known to be a multiple of BLOCK_K turns both off).
-            assert "wgmma.mma_async" in asm["ptx"] and "cp.async.cg" in asm["ptx"], op
