@@ -224,6 +224,10 @@ class BeamGraph(nn.Module):
         end, their tokens, search state and suffix K/V reordered to them (the prompt's K/V never
         moves)."""
         cum, keep, place = top(chosen.scores + chosen.ends.float() * NEG, self.width, self.row_topk)
+        # best first: the next step's rows in score order, not in the order of the columns they came
+        # from (a catalog's padded slots move columns, and a CPU GEMM may round a row by its position)
+        keep, cum = keep.scatter(1, place, keep), cum.scatter(1, place, cum)
+        place = torch.arange(self.width, device=cum.device)[None, :]
         suffix = beams.suffix
         if suffix is not None:
             b = cum.shape[0]

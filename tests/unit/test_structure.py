@@ -203,6 +203,39 @@ def test_top_places_are_a_stable_sort(k):
         assert (ranked[r][1:][same] > ranked[r][:-1][same]).all()
 
 
+def test_running_beams_are_best_first_whatever_the_columns_order():
+    """BeamGraph.advance lays the next step's rows out best first: the same continuations in
+    another column order (a catalog's padded slots move columns) give the same rows, so a GEMM that
+    rounds a row by its position rounds them alike."""
+    from types import SimpleNamespace
+
+    from slm_core.compile.beam_graph import BeamGraph, Beams, Chosen, top
+
+    b, w, step = 2, 4, 2
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(b, 2 * w, generator=g)
+    ends = torch.zeros(b, 2 * w, dtype=torch.bool)
+    ends[0, scores[0].argmax()] = True  # the best of prompt 0 ends: not a running beam
+    parent = torch.randint(0, w, (b, 2 * w), generator=g)
+    candidates = torch.randint(0, 100, (b, 2 * w, step), generator=g)
+    suffix = [(torch.randn(b * w, step - 1, 1, 2, generator=g),) * 2]
+    graph = SimpleNamespace(width=w, row_topk=None)
+    width = torch.tensor([[w], [3]])  # prompt 1 searches 3 wide
+    out = []
+    for perm in (torch.arange(2 * w), torch.randperm(2 * w, generator=g)):
+        _, _, place = top(scores[:, perm], 2 * w)
+        chosen = Chosen(scores[:, perm], place, parent[:, perm], candidates[:, perm], ends[:, perm], (), None)
+        beams = Beams(candidates[:, :w, :-1], torch.zeros(b, w), (), suffix)
+        out.append(BeamGraph.advance(graph, beams, chosen, width))
+    first, second = out
+    assert torch.equal(first.history, second.history) and torch.equal(first.cum, second.cum)
+    assert all(torch.equal(x, y) for x, y in zip(first.suffix[0], second.suffix[0]))
+    running = scores.masked_fill(ends, float("-inf")).sort(1, descending=True)
+    assert torch.equal(first.cum[0], running.values[0, :w])  # best first
+    assert torch.equal(first.cum[1, :3], running.values[1, :3]) and first.cum[1, 3] == float("-inf")
+    assert torch.equal(first.history, candidates.gather(1, running.indices[:, :w, None].expand(-1, -1, step)))
+
+
 def _chain(error: BaseException):
     while error is not None:
         yield error
