@@ -43,6 +43,7 @@ def label(r: dict) -> str:
         + (["no CUDA graphs"] if r.get("cuda_graphs") is False and r.get("device") != "cpu" else [])
         + (["FP8 qkv + MLP, static scales"] if r.get("precision") == "fp8-static" else [])
         + (["fails the FP8 accuracy gate"] if r.get("fp8_gate_passes") is False else [])
+        + ([f"accuracy guard on {r['accuracy_guard']:.1%} of requests"] if r.get("accuracy_guard") else [])
     )
     return f"slm ({', '.join([kernels, *extra])})"
 

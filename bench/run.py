@@ -65,9 +65,13 @@ def random_checkpoint(arch: dict, tokenizer: Path, out: Path) -> Path:
     return out
 
 
-def slm_build(name: str, checkpoint: Path, task: dict, store: Path, device: str, work: Path) -> list[str] | None:
+def slm_build(
+    name: str, checkpoint: Path, task: dict, store: Path, device: str, work: Path, guard: bool = False
+) -> list[str] | None:
     """The archiver command that builds `name`.mar, or None if the store already has it: one
     worker whatever the archiver's defaults (deployments serve copies configured by the archiver).
+    guard: with the accuracy reference, so its workers run the online accuracy guard at the
+    archiver's default share of requests.
     FP8 builds are measured whatever their accuracy gate says: the gate's figures are recorded, and
     checked against the archiver's default thresholds, with each point (fp8_gate, fp8_gate_passes)."""
     if (store / f"{name}.mar").exists():
@@ -93,10 +97,10 @@ def slm_build(name: str, checkpoint: Path, task: dict, store: Path, device: str,
             "600",
             "--workers",
             "1",
-            # no accuracy reference: the archives compared across runs hold one graph (the guard's
-            # cost is its own measurement)
-            "--no-accuracy-reference",
         ]
+        # no accuracy reference unless asked: the archives compared across runs hold one graph (the
+        # guard's cost is its own measurement, a guard variant beside the same one without)
+        + ([] if guard else ["--no-accuracy-reference"])
         + (  # each deployment sets its own workers
             ["--device-ids", "0"] if device == "cuda" else []
         )
@@ -199,7 +203,8 @@ def main() -> None:
         "of a GPU as the archiver splits it). Options: fp8static (built with precision "
         "fp8-static), nographs (the same archive served without CUDA graphs), gN (the "
         "workers spread over GPUs 0..N-1 in turn; otherwise all on GPU 0), e.g. 4:8:g2, "
-        "score / beam (the deployment serves only that task's archives). "
+        "score / beam (the deployment serves only that task's archives), guard (built with the "
+        "accuracy reference: the online accuracy guard runs at the archiver's default share). "
         "Default: 1:1,1:1:nographs on cuda, 1:1 on cpu",
     )
     p.add_argument("--levels", default=",".join(map(str, LEVELS)), help="concurrency levels swept")
@@ -250,9 +255,11 @@ def main() -> None:
         if "slm" in systems:
             for v in [v for v in variants if v.task in (None, w.task["task"])]:
                 precision = v.precision or w.task.get("precision", "bf16")
-                mar = f"slm_{model}_b{v.batch}" + PRECISION_SUFFIX.get(precision, "")
+                mar = f"slm_{model}_b{v.batch}" + PRECISION_SUFFIX.get(precision, "") + "_guard" * v.guard
                 task = {**w.task, "max_batch": v.batch, "precision": precision}
-                if mar not in builds and (argv := slm_build(mar, checkpoints[w.name], task, store, args.device, work)):
+                if mar not in builds and (
+                    argv := slm_build(mar, checkpoints[w.name], task, store, args.device, work, v.guard)
+                ):
                     builds[mar] = argv
                 # served from a copy of the archive configured by the archiver for these workers and options
                 served = mar + ("_nographs" if v.nographs else "") + (f"_g{v.gpus}" if v.gpus > 1 else "")
@@ -466,6 +473,7 @@ class Variant(NamedTuple):
     precision: str | None = None  # the workload's, or OPTION_PRECISION's
     gpus: int = 1
     task: str | None = None  # "score" or "beam": the variant serves only that task's archives
+    guard: bool = False  # built with the accuracy reference: the online accuracy guard runs
 
 
 def parse_variant(text: str) -> Variant:
@@ -476,12 +484,14 @@ def parse_variant(text: str) -> Variant:
             v = v._replace(nographs=True)
         elif o in ("score", "beam"):
             v = v._replace(task=o)
+        elif o == "guard":
+            v = v._replace(guard=True)
         elif o in OPTION_PRECISION:
             v = v._replace(precision=OPTION_PRECISION[o])
         elif re.fullmatch(r"g[1-9][0-9]*", o):
             v = v._replace(gpus=int(o[1:]))
         else:
-            raise SystemExit(f"--slm {text}: unknown option {o!r} (fp8static, nographs, gN, score, beam)")
+            raise SystemExit(f"--slm {text}: unknown option {o!r} (fp8static, nographs, gN, score, beam, guard)")
     return v
 
 
@@ -526,11 +536,18 @@ def frontend_means(before: dict[str, float], after: dict[str, float]) -> dict[st
 
 def served_settings(mar: Path, d: Deployment) -> dict:
     """What a deployment's archive configures: TorchServe's batch and the queue (slm: its serving
-    spec; others: the graph batch, unknown queue)."""
+    spec; others: the graph batch, unknown queue), and the share of requests the online accuracy
+    guard recomputes (0 where the package holds no reference)."""
     if d.system != "slm":
-        return {"ts_batch": d.batch, "queue": None, "batch_delay_ms": None}
+        return {"ts_batch": d.batch, "queue": None, "batch_delay_ms": None, "accuracy_guard": 0.0}
     serving = read_serving(mar)
-    return {"ts_batch": serving.batch, "queue": serving.queue, "batch_delay_ms": serving.batch_delay_ms}
+    guard = serving.accuracy_sample if read_manifest(mar).get("reference") else 0.0
+    return {
+        "ts_batch": serving.batch,
+        "queue": serving.queue,
+        "batch_delay_ms": serving.batch_delay_ms,
+        "accuracy_guard": guard,
+    }
 
 
 def served_check(server: TorchServe, workload: str, bodies: list[dict], deployments: list[Deployment]) -> dict:
