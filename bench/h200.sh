@@ -24,12 +24,15 @@
 # Needs: carry [".devbundle", "bench/assets"]; $OUT (the device tool's output folder); $COMMIT.
 # Optional: $VARIANTS, $SLM (below), $SYSTEMS (slm,hf: SYSTEMS=slm leaves the peer out), PROFILE=0, CHECK=0, KERNELS=0,
 # KERNELS_ONLY=TEXT (the kernel bench's cases whose name holds TEXT), STEP_BENCH=1 (bench.step_bench
-# first in the check slot, beside the build),
-# CHECK_ONLY=EXPR (the check step's pytest -k), BENCH=0, CATALOG_SWAP=1 (the catalogswap step after the build; SWAPS, CAPACITY), LOADTIME=1 (the loadtime step after the profiles), CPU_PATH=1 (first, the host quiet: bench.cpu_path
+# first in the check slot, beside the build; STEP_BENCH_ARGS, e.g. --rows 100,800; STEP_BENCH_VARIANTS,
+# e.g. "bf16,fp8-static"),
+# CHECK_ONLY=EXPR (the check step's pytest -k), BENCH=0, CATALOG_SWAP=1 (the catalogswap step, last; SWAPS, CAPACITY), LOADTIME=1 (the loadtime step after the profiles;
+# LOADTIME_ONLY=TEXT: bench.load_time's steps whose name holds TEXT, e.g. load_graph), CPU_PATH=1 (first, the host quiet: bench.cpu_path
 # per tokenizer thread pool size, $CPU_PATH_THREADS, default "1 2 4 16"),
 # RELIABILITY=1 (the reliability step after the bench; SOAK=600 adds the soak; DEADLINE=80: every
 # overload request carries that deadline; STEPS=fuzz,overload,kill,gpu-fault adds kill -9 of a worker
-# and a GPU fault beside the workers, each under load for $FAULT_SECONDS (60); STEPS=none SOAK=600: the soak
+# and a GPU fault beside the workers, each under load for $FAULT_SECONDS (60); STEPS=ready,scale-up: the
+# workers' start, 1 then 6 together, and doubled under 0.8x capacity; STEPS=none SOAK=600: the soak
 # alone; RELIABLE and STEPS: below),
 # PROFILE_GRAPHS="on" (default "on off": the profile step with CUDA graphs and without), PROFILE_BEAM
 # (default W2,W3: the beam archives' profiled workloads), $WORKLOADS (default W3,W2,W1), $BENCH_ARGS (more bench.run options for the pipeline's bench step,
@@ -65,6 +68,10 @@ mps() {  # NVIDIA MPS on (1) or off (0) for the CUDA processes started from now 
     echo "NVIDIA MPS: $(pgrep -x nvidia-cuda-mps > /dev/null && echo on || echo off)"
 }
 
+# setup.sh installs the bundle's wheels only while TorchServe is missing: wheels added to the bundle
+# later (orjson, tiktoken, regex) are installed here
+python3 -c "import orjson, tiktoken" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile \
+    --target /tmp/site .devbundle/orjson-*.whl .devbundle/tiktoken-*.whl .devbundle/regex-*.whl 2>/dev/null
 python3 -c "import orjson, tiktoken" || { echo "orjson or tiktoken is missing: put their wheels into .devbundle (bench/README.md)"; exit 1; }
 
 case "$1" in
@@ -83,7 +90,8 @@ kernels)
 gemm)
     python3 -m bench.gemm_bench --out "$OUT/gemm_bench.json" ;;
 stepbench)
-    python3 -m bench.step_bench --out "$OUT/step_bench.json" ;;
+    python3 -m bench.step_bench --out "$OUT/step_bench.json" ${STEP_BENCH_ARGS:-} \
+        ${STEP_BENCH_VARIANTS:+--variants "$STEP_BENCH_VARIANTS"} ;;
 bench)
     python3 -m bench.run "${ARGS[@]}" --out "$OUT" --warmup 1.5 --duration 3 --slm "$SLM" --no-build \
         --workloads "$WORKLOADS" --hf-workers 4 --systems "${SYSTEMS:-slm,hf}" "${@:2}"
@@ -114,7 +122,7 @@ loadtime)
         name=$(basename "$mar" .mar)
         [ -d "$WORK/unpacked/$name" ] || python3 -m zipfile -e "$mar" "$WORK/unpacked/$name"
         python3 -m bench.load_time --package "$WORK/unpacked/$name" --out "$OUT/loadtime_${name}.json" \
-            --profile "$OUT/loadtime_profile_${name}.txt"
+            --profile "$OUT/loadtime_profile_${name}.txt" ${LOADTIME_ONLY:+--only "$LOADTIME_ONLY"}
     done ;;
 catalog)
     # a catalog swapped into the W4 archive: a second 1M-item catalog, as a new archive version
@@ -173,7 +181,6 @@ all)
       [ "${CHECK:-1}" = 0 ] || bash "$0" check > "$OUT/check.log" 2>&1; } &
     wait
     [ "${CATALOG:-0}" = 1 ] && bash "$0" catalog > "$OUT/catalog.log" 2>&1
-    [ "${CATALOG_SWAP:-0}" = 1 ] && bash "$0" catalogswap > "$OUT/catalog_swap.log" 2>&1
     # the in-process profiles before the sweeps: the GPU to themselves, and back first
     [ "${PROFILE:-1}" = 1 ] && bash "$0" profile > "$OUT/profile.log" 2>&1
     [ "${LOADTIME:-0}" = 1 ] && bash "$0" loadtime > "$OUT/loadtime.log" 2>&1
@@ -185,6 +192,7 @@ all)
         mps "${MPS:-1}"
     fi
     [ "${RELIABILITY:-0}" = 1 ] && bash "$0" reliability > "$OUT/reliability.log" 2>&1
+    [ "${CATALOG_SWAP:-0}" = 1 ] && bash "$0" catalogswap > "$OUT/catalog_swap.log" 2>&1
     touch "$OUT/DONE" ;;
 start)
     # a warm machine keeps the last pipeline's out/: its DONE would end `follow` at once
@@ -193,9 +201,9 @@ start)
         BENCH_ARGS=${BENCH_ARGS:-} PROFILE=${PROFILE:-1} CHECK=${CHECK:-1} KERNELS=${KERNELS:-1} \
         RELIABILITY=${RELIABILITY:-0} BENCH=${BENCH:-1} SOAK=${SOAK:-} RELIABLE=${RELIABLE:-} STEPS=${STEPS:-} \
         FAULT_SECONDS=${FAULT_SECONDS:-} DEADLINE=${DEADLINE:-} \
-        MPS=${MPS:-1} NOMPS_SLM=${NOMPS_SLM:-} CATALOG=${CATALOG:-0} CATALOG_SWAP=${CATALOG_SWAP:-0} SWAPS=${SWAPS:-3} CAPACITY=${CAPACITY:-413} LOADTIME=${LOADTIME:-0} PROFILE_GRAPHS="${PROFILE_GRAPHS:-on off}" \
+        MPS=${MPS:-1} NOMPS_SLM=${NOMPS_SLM:-} CATALOG=${CATALOG:-0} CATALOG_SWAP=${CATALOG_SWAP:-0} SWAPS=${SWAPS:-3} CAPACITY=${CAPACITY:-413} LOADTIME=${LOADTIME:-0} LOADTIME_ONLY="${LOADTIME_ONLY:-}" PROFILE_GRAPHS="${PROFILE_GRAPHS:-on off}" \
         PROFILE_BEAM=${PROFILE_BEAM:-W2,W3} KERNELS_ONLY="${KERNELS_ONLY:-}" CPU_PATH=${CPU_PATH:-0} CPU_PATH_THREADS="${CPU_PATH_THREADS:-1 2 4 16}" \
-        STEP_BENCH=${STEP_BENCH:-0} CHECK_ONLY="${CHECK_ONLY:-}" \
+        STEP_BENCH=${STEP_BENCH:-0} STEP_BENCH_ARGS="${STEP_BENCH_ARGS:-}" STEP_BENCH_VARIANTS="${STEP_BENCH_VARIANTS:-}" CHECK_ONLY="${CHECK_ONLY:-}" \
         setsid nohup bash "$WORK/pipeline.sh" all > "$WORK/pipeline.log" 2>&1 < /dev/null &
     sleep 5
     bash "$0" follow ;;

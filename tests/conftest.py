@@ -156,6 +156,12 @@ def random_checkpoint(tmp_path_factory):
 
 
 def pytest_collection_modifyitems(config, items):
+    # The modules with a demo test after the rest, and the modules that assert rates last: the
+    # demo's archives build in the background meanwhile (pytest_collection_finish), so the other
+    # tests fill the build's minutes, and rates are measured once it is done. Whole modules move,
+    # so each module-scoped fixture is set up once.
+    demo = {getattr(item, "module", None) for item in items if "demo" in getattr(item, "fixturenames", ())}
+    items[:] = sorted(items, key=lambda item: 2 if item.get_closest_marker("rates") else int(item.module in demo))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

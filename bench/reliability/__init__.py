@@ -31,6 +31,10 @@ memory (and GPU memory where nvidia-smi runs) every second.
 kill and gpu-fault offer 0.8x capacity for --fault-seconds and, 5 s in, kill -9 one worker or run
 bench.gpu_fault beside the workers (an illegal memory access on the GPU): the requests lost, and
 when a new worker answers.
+ready stops the workers and starts 1, then 6 (--ready-counts) together, with no traffic: seconds
+from the scale request until each is READY. scale-up offers 0.8x capacity for --fault-seconds and,
+5 s in, doubles the workers: the requests lost, P99 per second, when each new worker is READY and
+when the first answers.
 catalog-swap offers 0.8x capacity to an --archive that follows a catalog store (--store): each of
 --catalogs published and activated in turn, then a rollback; per event, when every worker served
 the new version, answers of an older one after it, failures and P99 against before; GPU memory

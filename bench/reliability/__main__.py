@@ -14,6 +14,7 @@ from bench.reliability.faults import FAULTS, fault
 from bench.reliability.fuzz import Tolerance, bad_requests, run, valid_requests
 from bench.reliability.overload import overload
 from bench.reliability.soak import soak
+from bench.reliability.start_up import ready, scale_up
 from handlers.local_server import TorchServe
 
 
@@ -28,7 +29,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=reliability.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "steps",
-        help="fuzz, overload, soak, kill, gpu-fault or catalog-swap; several comma-separated run one after the other",
+        help="fuzz, overload, soak, kill, gpu-fault, catalog-swap, ready or scale-up; several comma-separated run "
+        "one after the other",
     )
     p.add_argument("--url", help="the model's predictions URL (a running TorchServe)")
     p.add_argument("--management", help="TorchServe's management address")
@@ -52,19 +54,21 @@ def main() -> None:
         help="overload: every request carries this deadline (X-Slm-Deadline-Ms, "
         "its send time as X-Request-Start); the result counts refusals by reason and answers after it",
     )
-    p.add_argument(
-        "--fault-seconds", type=float, default=60.0, help="kill, gpu-fault: the load's seconds (the fault 5 s in)"
-    )
+    p.add_argument("--fault-seconds", type=float, default=60.0, help="kill, gpu-fault, scale-up: the load's seconds")
     p.add_argument(
         "--catalogs",
         help="catalog-swap: JSONL catalogs, comma-separated, published in turn into --store (then a rollback)",
     )
+    p.add_argument("--ready-counts", default="1,6", help="ready: the workers started together, each count in turn")
     p.add_argument("--store", type=Path, help="catalog-swap: the catalog store the --archive's workers follow")
     p.add_argument("--out", type=Path, help="also write the JSON result here")
     args = p.parse_args()
     steps = args.steps.split(",")
-    if not steps or not set(steps) <= {"fuzz", "overload", "soak", "catalog-swap", *FAULTS}:
-        p.error(f"steps {args.steps!r}: each one of fuzz, overload, soak, catalog-swap, {', '.join(FAULTS)}")
+    # what each fault step does to the workers under load (scale-up: doubles them)
+    faults = {**FAULTS, "scale-up": lambda before: scale_up(args.management, args.model, before)}
+    known = ["fuzz", "overload", "soak", "catalog-swap", "ready", *faults]
+    if not steps or not set(steps) <= set(known):
+        p.error(f"steps {args.steps!r}: each one of {', '.join(known)}")
     if "catalog-swap" in steps and not (args.archive and args.store and args.catalogs):
         p.error("catalog-swap needs --archive (following the store), --store and --catalogs")
     if args.workload and not args.tokenizer:
@@ -113,6 +117,9 @@ def main() -> None:
                     tolerance=tolerance,
                 )
                 continue
+            if name == "ready":
+                results[name] = ready(args.management, args.model, [int(c) for c in args.ready_counts.split(",")])
+                continue
             capacity = capacity or measured_capacity(args.url, bodies)
             if not capacity:
                 raise SystemExit("no concurrency met the SLO (mean < 20 ms, P99 < 80 ms): pass --capacity R")
@@ -131,9 +138,9 @@ def main() -> None:
                     args.store,
                     [Path(c) for c in args.catalogs.split(",")],
                 )
-            elif name in FAULTS:
+            elif name in faults:
                 results[name] = fault(
-                    args.url, args.management, args.model, bodies, capacity, FAULTS[name], args.fault_seconds
+                    args.url, args.management, args.model, bodies, capacity, faults[name], args.fault_seconds
                 )
             else:
 

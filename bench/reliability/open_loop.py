@@ -21,9 +21,14 @@ from handlers.local_server import http
 JSON = "application/json"
 
 
+def workers(management: str, model: str) -> list[dict]:
+    """A model's workers as TorchServe's describe-model API lists them (pid, status, ...)."""
+    return json.loads(http("GET", f"{management}/models/{model}")[1])[0]["workers"]
+
+
 def worker_pids(management: str, model: str) -> list[str]:
-    """The process ids of a model's workers, sorted (TorchServe's describe-model API)."""
-    return sorted(str(w["pid"]) for w in json.loads(http("GET", f"{management}/models/{model}")[1])[0]["workers"])
+    """The process ids of a model's workers, sorted."""
+    return sorted(str(w["pid"]) for w in workers(management, model))
 
 
 class Record(NamedTuple):

@@ -15,6 +15,8 @@ from slm_core import Engine
 from slm_core.serve.loader import load_package
 from slm_core.serve.protocol import Request, respond
 
+pytestmark = pytest.mark.rates  # overload, soak, kill and scale-up under load
+
 
 def copy_archive(src, dst, member: str, edit) -> None:
     """A copy of the archive src at dst, with edit(bytes) -> bytes applied to one member."""
@@ -379,6 +381,47 @@ def test_the_kill_step_records_what_a_killed_worker_loses(server, archives):
     assert died <= 3, result  # the one call the killed worker held, if any: up to batchSize 3
     assert all(second.get("200", 0) > 0 for second in result["statuses_per_second"]), result["statuses_per_second"]
     assert result["first_answer_by_a_new_worker_s"] is not None
+
+
+def test_the_start_up_steps_time_workers_and_a_scale_up_loses_nothing(server, archives):
+    """bench.reliability's ready and scale-up steps on a copy of tiny_score: ready stops the
+    workers and starts 1, then 2 together, timing each until READY, and leaves the model with the
+    worker it had; scale-up doubles one worker 3 s into an open-loop load: nothing fails, the new
+    worker is READY and answers, and the model ends with two."""
+    import random
+
+    from archiver.build import configure
+    from bench.reliability.faults import fault
+    from bench.reliability.fuzz import valid_requests
+    from bench.reliability.start_up import ready, scale_up
+    from slm_core.serving import ServingOptions
+
+    configure(archives["store"] / "tiny_score.mar", archives["store"], ServingOptions(workers=1), "tiny_start")
+    server.register("tiny_start.mar", workers=1)
+    try:
+        times = ready(server.management, "tiny_start", [1, 2], timeout=120)
+        assert [len(times["1 together"]), len(times["2 together"])] == [1, 2], times
+        assert all(0 < s < 120 for counts in times.values() for s in counts), times
+        assert len(server.workers("tiny_start")) == 1
+        url = f"{server.inference}/predictions/tiny_start"
+        bodies = [p.body for p in valid_requests("score", 8, random.Random(5), 20)]
+        result = fault(
+            url,
+            server.management,
+            "tiny_start",
+            bodies,
+            capacity=10,
+            inject=lambda before: scale_up(server.management, "tiny_start", before, timeout=120),
+            seconds=20,
+            lead=3,
+        )
+    finally:
+        http("DELETE", f"{server.management}/models/tiny_start")
+    print(f"\nready, short: {times}\nscale-up, short: {json.dumps(result)}")
+    assert result["scaled_to"] == 2 and len(result["new_workers_ready_s"]) == 1, result
+    assert result["failed"] == 0, result
+    assert len(result["workers_after"]) == 2 and set(result["workers_before"]) < set(result["workers_after"])
+    assert result["first_answer_by_a_new_worker_s"] is not None, result
 
 
 def test_scaling_down_under_traffic_loses_at_most_the_stopped_workers_call(server, archives):

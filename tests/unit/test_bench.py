@@ -127,6 +127,7 @@ def test_variants_parse_options_and_refuse_unknown_ones():
     assert parse_variant("3:4:fp8static:score") == Variant(3, 4, precision="fp8-static", task="score")
     assert parse_variant("2:8").precision is None  # the workload's own
     assert parse_variant("2:8:beam").task == "beam" and parse_variant("2:8").task is None
+    assert parse_variant("2:4:fp8static:score:guard").guard and not parse_variant("2:4").guard
     for bad in ("1:8:gpu2", "1:8:g0", "1:8:fast", "1:8:ctx2", "1:8:lazy", "1:8:fp8"):
         with pytest.raises(SystemExit, match="unknown option"):
             parse_variant(bad)
@@ -144,6 +145,12 @@ def test_fp8_archives_are_built_whatever_their_gate_says(tmp_path):
 
     assert argv("fp8-static")[-4:] == ["--fp8-max-diff", "1", "--fp8-min-shared", "0"]
     assert "--fp8-min-shared" not in argv("bf16") and argv("bf16")[-2:] == ["--device-ids", "0"]
+    # the accuracy reference only in a guard build: the archives compared across runs hold one graph
+    assert "--no-accuracy-reference" in argv("bf16")
+    guarded = slm_build(
+        "g", tmp_path / "ckpt", {"task": "score", "precision": "fp8-static"}, tmp_path, "cuda", tmp_path, True
+    )
+    assert "--no-accuracy-reference" not in guarded
     assert gate_passes({"max_abs_diff": 0.035}) and not gate_passes({"max_abs_diff": 0.06})
     assert gate_passes({"shared_candidates": 0.7}) and not gate_passes({"shared_candidates": 0.5})
 
@@ -158,6 +165,8 @@ def test_report_labels_name_each_build_and_serving_option():
         "slm (triton, batch 8, FP8 qkv + MLP, static scales, fails the FP8 accuracy gate)"
     )
     assert label({**base, "precision": "bf16"}) == "slm (triton, batch 8)"
+    assert label({**base, "accuracy_guard": 0.001}) == "slm (triton, batch 8, accuracy guard on 0.1% of requests)"
+    assert label({**base, "accuracy_guard": 0.0}) == "slm (triton, batch 8)"
     old = {k: v for k, v in base.items() if k != "kernels"}
     assert label({**old, "attention": "triton"}) == "slm (triton, batch 8)"  # records from before "kernels"
 
@@ -305,9 +314,10 @@ def test_the_open_loop_hands_its_answers_over_while_it_runs():
 
 def test_a_soak_reports_each_window_once_its_requests_are_answered(monkeypatch):
     """soak's on_window: the report so far, a window more each time, before the run ends."""
-    from bench.reliability import soak
+    from bench.reliability import open_loop, soak
 
-    monkeypatch.setattr(soak, "worker_pids", lambda management, model: ["1"])
+    for module in (soak, open_loop):  # soak's own calls and its memory sampler's
+        monkeypatch.setattr(module, "worker_pids", lambda management, model: ["1"])
     reports: list[dict] = []
     with stand_in_server(lambda body: (200, {}, b"{}")) as url:
         result = soak.soak(

@@ -120,11 +120,16 @@ def test_a_small_request_meets_a_deadline_that_a_call_at_the_bounds_would_miss(r
 
     ckpt = load_checkpoint(random_checkpoint("qwen2")[0])
     engine = engine_for(ckpt, task="score", labels=["yes", "no"], max_texts=8, max_text_tokens=256, max_batch=1)
-    timed = Deadlines(None, {}, tuple(map(tuple, time_sizes(engine))))
-    bounds = timed.call(1, 8, engine.task.sequence_tokens)  # a call at the bounds
     small = ["the quick brown fox", "a", "search engines rank documents", "beam search"]
-    estimate = timed.call(1, 4, max(len(s) for s in engine.task.encode([small])[0]))
-    assert estimate * 4 < bounds, (estimate, bounds)  # the premise: a short request is far cheaper
+    sizes = time_sizes(engine)
+    for _ in range(3):  # the premise, a short request far cheaper, is timed again while other work inflates it
+        timed = Deadlines(None, {}, tuple(map(tuple, sizes)))
+        bounds = timed.call(1, 8, engine.task.sequence_tokens)  # a call at the bounds
+        estimate = timed.call(1, 4, max(len(s) for s in engine.task.encode([small])[0]))
+        if estimate * 4 < bounds:
+            break
+        sizes = [[n, length, min(ms, again)] for (n, length, ms), (_, _, again) in zip(sizes, time_sizes(engine))]
+    assert estimate * 4 < bounds, (estimate, bounds)
     deadline = f"{(estimate * 2 + bounds) / 3:.1f}"  # within the bound's call, well above the request's
     start = time.perf_counter()
     (answered,) = respond_batch(
