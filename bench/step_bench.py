@@ -52,10 +52,10 @@ def random_model() -> Transformer:
     return model
 
 
-def step_inputs(model: Transformer, rows: int) -> tuple:
+def step_inputs(model: Transformer, rows: int, dev: str = "cuda") -> tuple:
     """A decode step's inputs for rows // WIDTH prompts of PROMPT tokens: last tokens, positions,
     each layer's prompt K/V, the prompts' boundaries and each layer's suffix K/V."""
-    s, dev = model.spec, "cuda"
+    s = model.spec
     torch.manual_seed(rows)  # the same inputs for every variant
     prompts = rows // WIDTH
     kv = (s.num_kv_heads, s.head_dim)
@@ -102,16 +102,26 @@ def weight_bytes(module: torch.nn.Module) -> int:
     )
 
 
+def step_layers(model: Transformer):
+    """A decode step's layers and the final norm, as the graphs run them before the LM head. The
+    norm is there for Inductor's sake: with the last residual add consumed by an elementwise
+    kernel, every residual add stays out of its GEMM, as in the graphs; returned bare, the last
+    one is fused into its GEMM (addmm), and so is every one before it."""
+
+    def layers(ids, pos, prefix, cu, suffix):
+        return model.norm(model.decode(ids, pos, prefix, cu, suffix)[0])
+
+    return layers
+
+
 def measure(model: Transformer, rows_list: list[int], gbps: float, compiled: bool = True) -> dict:
     """The layer-step and the whole step of model at each row count; the layers compiled by
     Inductor, or eager (compiled=False: each op its own kernels, still replayed from a CUDA graph)."""
     from slm_kernels.vocab_topk import vocab_topk
 
-    def decode(ids, pos, prefix, cu, suffix):
-        return model.decode(ids, pos, prefix, cu, suffix)[0]
-
+    decode = step_layers(model)
     layers = torch.compile(decode, dynamic=True, fullgraph=True) if compiled else decode
-    head = torch.compile(lambda hidden: vocab_topk(model.logits(hidden), 2 * WIDTH), dynamic=True, fullgraph=True)
+    head = torch.compile(lambda normed: vocab_topk(model.lm_head(normed), 2 * WIDTH), dynamic=True, fullgraph=True)
     n, layer = len(model.layers), weight_bytes(model.layers[0])
     out = {}
     for rows in rows_list:

@@ -166,6 +166,38 @@ def test_residual_adds_stay_out_of_the_gemms(qwen3, task, monkeypatch):
     assert counts[torch.ops.aten.mm.default] >= 4 * layers, counts  # each layer's linears, as mm
 
 
+def test_the_step_bench_keeps_residual_adds_out_of_the_gemms_as_the_graphs_do(monkeypatch):
+    """bench.step_bench's decode layers, compiled by Inductor deciding as for a GPU, run each
+    linear as a plain GEMM (addmm only for qkv's bias), with the residual add left to the next norm,
+    as the graphs run them (test_residual_adds_stay_out_of_the_gemms): otherwise the bench would
+    time O and down with the residual in their epilogue, kernels the graphs never launch."""
+    import torch._inductor.config as inductor_config
+    import torch._inductor.fx_passes.post_grad as post_grad
+
+    from bench.step_bench import step_inputs, step_layers
+    from bench.workloads import QWEN25_05B
+    from slm_core.spec import ModelSpec
+
+    small = dict(num_hidden_layers=3, hidden_size=128, intermediate_size=256, num_attention_heads=4, vocab_size=512)
+    spec = ModelSpec.from_hf_config({**QWEN25_05B, **small})
+    model = slm_core.compile.model.Transformer.empty(spec, 256, torch.bfloat16, "cpu")
+    for p in model.parameters():
+        p.data.normal_(0.0, 0.02)
+    mm, addmm = torch.ops.aten.mm.default, torch.ops.aten.addmm.default
+    counts = {}
+
+    def after(graph):
+        counts.update({op: len(graph.find_nodes(op="call_function", target=op)) for op in (mm, addmm)})
+        raise _PostGrad
+
+    monkeypatch.setattr(post_grad, "is_gpu", lambda device: True)
+    layers = torch.compile(step_layers(model), dynamic=True, fullgraph=True)
+    with inductor_config.patch(post_grad_custom_post_pass=after), torch.no_grad(), pytest.raises(Exception) as stopped:
+        layers(*step_inputs(model, 100, "cpu"))
+    assert any(isinstance(e, _PostGrad) for e in _chain(stopped.value)), stopped.value
+    assert counts == {mm: 3 * spec.num_layers, addmm: spec.num_layers}, counts  # qkv's bias only
+
+
 def test_beam_steps_sort_nothing(qwen3):
     """No step sorts: the top 2W, the running beams and the finished pool (the answer, best first)
     are taken unsorted, with their places compared, which needs no sort kernel."""
