@@ -50,6 +50,25 @@ def http(
     return status, data
 
 
+def model_workers(management: str, model: str) -> list[dict]:
+    """A model's workers as TorchServe's describe-model API lists them (id, pid, status, ...)."""
+    status, body = http("GET", f"{management}/models/{model}")
+    if status != 200:
+        raise RuntimeError(f"describing {model}: {status} {body[:200]!r}")
+    return json.loads(body)[0]["workers"]
+
+
+def scale(management: str, model: str, workers: int, synchronous: bool = False) -> None:
+    """min_worker = max_worker = `workers`; asynchronously TorchServe answers 202 at once."""
+    status, body = http(
+        "PUT",
+        f"{management}/models/{model}?min_worker={workers}&max_worker={workers}&synchronous={str(synchronous).lower()}",
+        timeout=600,
+    )
+    if status not in (200, 202):
+        raise RuntimeError(f"scaling {model} to {workers}: {status} {body[:200]!r}")
+
+
 class TorchServe:
     def __init__(self, workdir: Path, model_store: Path):
         self.workdir, self.model_store = workdir.resolve(), model_store.resolve()  # the server runs in workdir
@@ -146,13 +165,7 @@ class TorchServe:
         return json.loads(body)
 
     def scale(self, model: str, workers: int, synchronous: bool = False) -> None:
-        status, body = http(
-            "PUT",
-            f"{self.management}/models/{model}?min_worker={workers}&max_worker={workers}"
-            f"&synchronous={str(synchronous).lower()}",
-            timeout=600,
-        )
-        assert status in (200, 202), body
+        scale(self.management, model, workers, synchronous)
 
     def wait_ready(self, model: str, workers: int, timeout: float = 900) -> None:
         """Block until `model` has `workers` READY workers; TimeoutError (with the log tail) if not."""
@@ -166,9 +179,7 @@ class TorchServe:
         raise TimeoutError(f"{model}: {workers} worker(s) not ready after {timeout:.0f} s\n{tail}")
 
     def workers(self, model: str) -> list[dict]:
-        status, body = http("GET", f"{self.management}/models/{model}")
-        assert status == 200, body
-        return json.loads(body)[0]["workers"]
+        return model_workers(self.management, model)
 
     def predict(self, model: str, body: bytes, content_type: str = "application/json"):
         return http("POST", f"{self.inference}/predictions/{model}", body, {"Content-Type": content_type})

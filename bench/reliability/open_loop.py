@@ -3,7 +3,6 @@ several generator processes taking turns in one schedule; the workers' memory sa
 second; and the figures of a run (latency, refusals, P99 per second)."""
 
 import asyncio
-import json
 import math
 import multiprocessing
 import os
@@ -16,19 +15,14 @@ from pathlib import Path
 from typing import NamedTuple
 
 from bench.loadgen import percentile
-from handlers.local_server import http
+from handlers.local_server import model_workers
 
 JSON = "application/json"
 
 
-def workers(management: str, model: str) -> list[dict]:
-    """A model's workers as TorchServe's describe-model API lists them (pid, status, ...)."""
-    return json.loads(http("GET", f"{management}/models/{model}")[1])[0]["workers"]
-
-
 def worker_pids(management: str, model: str) -> list[str]:
     """The process ids of a model's workers, sorted."""
-    return sorted(str(w["pid"]) for w in workers(management, model))
+    return sorted(str(w["pid"]) for w in model_workers(management, model))
 
 
 class Record(NamedTuple):

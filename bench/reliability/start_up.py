@@ -5,19 +5,9 @@ a few seconds in, the requests lost, and when the new ones answer."""
 
 import time
 
-from bench.reliability import open_loop
-from handlers.local_server import http
+from handlers.local_server import model_workers, scale
 
 POLL_S = 0.1
-
-
-def _scale(management: str, model: str, workers: int) -> None:
-    """min_worker = max_worker = `workers`, asynchronously: TorchServe answers 202 at once."""
-    status, body = http(
-        "PUT", f"{management}/models/{model}?min_worker={workers}&max_worker={workers}&synchronous=false", timeout=60
-    )
-    if status not in (200, 202):
-        raise RuntimeError(f"scaling {model} to {workers}: {status} {body[:200]!r}")
 
 
 def _until_ready(management: str, model: str, workers: int, known: set[str], timeout: float) -> list[float]:
@@ -25,7 +15,7 @@ def _until_ready(management: str, model: str, workers: int, known: set[str], tim
     once `workers` are READY; TimeoutError otherwise."""
     start, seen = time.monotonic(), {}
     while time.monotonic() - start < timeout:
-        ready = [str(w["pid"]) for w in open_loop.workers(management, model) if w["status"] == "READY"]
+        ready = [str(w["pid"]) for w in model_workers(management, model) if w["status"] == "READY"]
         for pid in ready:
             if pid not in known and pid not in seen:
                 seen[pid] = time.monotonic() - start
@@ -37,9 +27,9 @@ def _until_ready(management: str, model: str, workers: int, known: set[str], tim
 
 def _stopped(management: str, model: str, timeout: float) -> None:
     """Scaled to 0 and waited until no worker is listed (their GPU memory freed with their process)."""
-    _scale(management, model, 0)
+    scale(management, model, 0)
     end = time.monotonic() + timeout
-    while open_loop.workers(management, model) and time.monotonic() < end:
+    while model_workers(management, model) and time.monotonic() < end:
         time.sleep(POLL_S)
 
 
@@ -47,15 +37,15 @@ def ready(management: str, model: str, counts: list[int], timeout: float = 600) 
     """For each count: every worker stopped, then `count` started together; seconds from the scale
     request until each is READY (TorchServe's worker process started, the handler's initialize
     done: package loaded, request contexts made). The model ends with the workers it had."""
-    had = len(open_loop.workers(management, model))
+    had = len(model_workers(management, model))
     result = {}
     for count in counts:
         _stopped(management, model, timeout)
-        _scale(management, model, count)
+        scale(management, model, count)
         result[f"{count} together"] = [round(s, 2) for s in _until_ready(management, model, count, set(), timeout)]
         print(f"[ready] {count} worker(s) together: {result[f'{count} together']} s", flush=True)
     _stopped(management, model, timeout)
-    _scale(management, model, had)
+    scale(management, model, had)
     _until_ready(management, model, had, set(), timeout)
     return result
 
@@ -64,6 +54,6 @@ def scale_up(management: str, model: str, before: list[str], timeout: float = 60
     """The workers `before` doubled (an asynchronous PUT, as an autoscaler sends it): when it was
     sent, and seconds from then until each new worker was READY."""
     at = time.time()
-    _scale(management, model, 2 * len(before))
+    scale(management, model, 2 * len(before))
     ready_s = _until_ready(management, model, 2 * len(before), set(before), timeout)
     return {"at": at, "scaled_to": 2 * len(before), "new_workers_ready_s": [round(s, 2) for s in ready_s]}

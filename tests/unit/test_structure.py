@@ -1,6 +1,8 @@
 """Structural properties of the graphs: no padding, the prompt K/V shared by all beams, export
 with dynamic shapes, bit-identical repeats, and bf16 close to fp32."""
 
+import contextlib
+
 import pytest
 import torch
 from conftest import CHAT
@@ -135,35 +137,38 @@ class _PostGrad(Exception):
     """Stops an Inductor compile once its post-grad passes ran (the test needs no code)."""
 
 
-@pytest.mark.parametrize("task", [SCORE, BEAM])
-def test_residual_adds_stay_out_of_the_gemms(qwen3, task, monkeypatch):
-    """In bf16 Inductor, deciding as for a GPU, leaves each residual add to the elementwise kernel after
-    its GEMM (mm, then the add inside the next norm) instead of fusing it as addmm, which copies
-    the residual into the GEMM's output first: an index among the consumers of the residual
-    stream (the last layer's rows) would start that fusion and carry it back through every layer."""
+@contextlib.contextmanager
+def _planned_gemms(monkeypatch):
+    """Counts of the mm and addmm nodes that Inductor, deciding as for a GPU, plans for the compile
+    run inside the block; that compile is stopped once its post-grad passes ran."""
     import torch._inductor.config as inductor_config
     import torch._inductor.fx_passes.post_grad as post_grad
 
     counts = {}
 
     def after(graph):
-        counts.update(
-            {
-                op: len(graph.find_nodes(op="call_function", target=op))
-                for op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
-            }
-        )
+        for name, op in (("mm", torch.ops.aten.mm.default), ("addmm", torch.ops.aten.addmm.default)):
+            counts[name] = len(graph.find_nodes(op="call_function", target=op))
         raise _PostGrad
 
     monkeypatch.setattr(post_grad, "is_gpu", lambda device: True)
+    with inductor_config.patch(post_grad_custom_post_pass=after), pytest.raises(Exception) as stopped:
+        yield counts
+    assert any(isinstance(e, _PostGrad) for e in _chain(stopped.value)), stopped.value
+
+
+@pytest.mark.parametrize("task", [SCORE, BEAM])
+def test_residual_adds_stay_out_of_the_gemms(qwen3, task, monkeypatch):
+    """In bf16 Inductor, deciding as for a GPU, leaves each residual add to the elementwise kernel after
+    its GEMM (mm, then the add inside the next norm) instead of fusing it as addmm, which copies
+    the residual into the GEMM's output first: an index among the consumers of the residual
+    stream (the last layer's rows) would start that fusion and carry it back through every layer."""
     eng = engine_for(qwen3, **task, precision="bf16")
     program = export_graph(eng.graph, eng.task)
-    with inductor_config.patch(post_grad_custom_post_pass=after), pytest.raises(Exception) as stopped:
+    with _planned_gemms(monkeypatch) as counts:
         torch._inductor.aoti_compile_and_package(program)
-    assert any(isinstance(e, _PostGrad) for e in _chain(stopped.value)), stopped.value
-    layers = qwen3.spec.num_layers
-    assert counts[torch.ops.aten.addmm.default] == 0, counts
-    assert counts[torch.ops.aten.mm.default] >= 4 * layers, counts  # each layer's linears, as mm
+    assert counts["addmm"] == 0, counts
+    assert counts["mm"] >= 4 * qwen3.spec.num_layers, counts  # each layer's linears, as mm
 
 
 def test_the_step_bench_keeps_residual_adds_out_of_the_gemms_as_the_graphs_do(monkeypatch):
@@ -171,9 +176,6 @@ def test_the_step_bench_keeps_residual_adds_out_of_the_gemms_as_the_graphs_do(mo
     linear as a plain GEMM (addmm only for qkv's bias), with the residual add left to the next norm,
     as the graphs run them (test_residual_adds_stay_out_of_the_gemms): otherwise the bench would
     time O and down with the residual in their epilogue, kernels the graphs never launch."""
-    import torch._inductor.config as inductor_config
-    import torch._inductor.fx_passes.post_grad as post_grad
-
     from bench.step_bench import step_inputs, step_layers
     from bench.workloads import QWEN25_05B
     from slm_core.spec import ModelSpec
@@ -183,19 +185,10 @@ def test_the_step_bench_keeps_residual_adds_out_of_the_gemms_as_the_graphs_do(mo
     model = slm_core.compile.model.Transformer.empty(spec, 256, torch.bfloat16, "cpu")
     for p in model.parameters():
         p.data.normal_(0.0, 0.02)
-    mm, addmm = torch.ops.aten.mm.default, torch.ops.aten.addmm.default
-    counts = {}
-
-    def after(graph):
-        counts.update({op: len(graph.find_nodes(op="call_function", target=op)) for op in (mm, addmm)})
-        raise _PostGrad
-
-    monkeypatch.setattr(post_grad, "is_gpu", lambda device: True)
     layers = torch.compile(step_layers(model), dynamic=True, fullgraph=True)
-    with inductor_config.patch(post_grad_custom_post_pass=after), torch.no_grad(), pytest.raises(Exception) as stopped:
+    with _planned_gemms(monkeypatch) as counts, torch.no_grad():
         layers(*step_inputs(model, 100, "cpu"))
-    assert any(isinstance(e, _PostGrad) for e in _chain(stopped.value)), stopped.value
-    assert counts == {mm: 3 * spec.num_layers, addmm: spec.num_layers}, counts  # qkv's bias only
+    assert counts == {"mm": 3 * spec.num_layers, "addmm": spec.num_layers}, counts  # qkv's bias only
 
 
 def test_beam_steps_sort_nothing(qwen3):
