@@ -16,7 +16,10 @@ Variants:
 - "bf16": the graphs' decode (the Triton attention, QK-norm + RoPE and SiLU * up kernels,
   cuBLAS projections);
 - "fp8-static": the same as "bf16" with qkv, gate/up and down in E4M3 with one scale per tensor
-  (slm_core.compile.fp8), the input scales calibrated on the bench's own inputs.
+  (slm_core.compile.fp8), the input scales calibrated on the bench's own inputs;
+- "fp8-rowwise": every projection (qkv, o, gate/up, down) in E4M3 with a scale per output channel
+  for the weight and one per row computed in the step for the input (RowwiseFp8Linear), SiLU * up
+  left to Inductor so that its quantisation fuses into the same kernel.
 A candidate joins as another variant: a function of the bf16 model that returns the model to time.
 
     python -m bench.step_bench --out FILE.json [--rows 100,200,400,800] [--variants "bf16,fp8-static"]
@@ -32,6 +35,7 @@ from bench.workloads import QWEN25_05B
 from slm_core.compile.fp8 import calibrate, quantize_linears
 from slm_core.compile.model import Transformer
 from slm_core.spec import ModelSpec
+from slm_kernels.layer_ref import E4M3_MAX, silu_mul_ref
 
 WIDTH, PROMPT, SUFFIX = 100, 88, 2  # W2: W = 100, prompts of 48-128 tokens; the third of 5 new tokens
 W2 = ModelSpec.from_hf_config(QWEN25_05B)  # W2's model (bench.workloads)
@@ -75,6 +79,38 @@ def fp8_static(model: Transformer) -> Transformer:
     """model with qkv, gate/up and down in E4M3 (in place), input scales from a bf16 decode step."""
     amax = calibrate(model, lambda: [model.decode(*step_inputs(model, rows)) for rows in (100, 400)])
     quantize_linears(model, amax, triton=True)
+    return model
+
+
+class RowwiseFp8Linear(torch.nn.Module):
+    """nn.Linear in E4M3 with a FP32 scale per output channel for the weight and per row for the
+    input, the input's computed from its own rows (no calibration, nothing saturates):
+    y = diag(s_x) q_x q_W^T diag(s_W) + b, one rowwise-scaled GEMM (torch._scaled_mm)."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        w = linear.weight.detach().float()
+        scale = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / E4M3_MAX  # [N, 1]
+        self.register_buffer("weight", (w / scale).to(torch.float8_e4m3fn))  # [N, K]: .t() is column-major
+        self.register_buffer("weight_scale", scale.t().contiguous())  # [1, N]
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        self.out_dtype = linear.weight.dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / E4M3_MAX  # [M, 1]
+        q = (xf / scale).to(torch.float8_e4m3fn)
+        y = torch._scaled_mm(q, self.weight.t(), scale_a=scale, scale_b=self.weight_scale, out_dtype=self.out_dtype)
+        return y if self.bias is None else y + self.bias
+
+
+def fp8_rowwise(model: Transformer) -> Transformer:
+    """model with every projection a RowwiseFp8Linear (in place), and SiLU * up in torch ops, so
+    that Inductor fuses down's input quantisation into it."""
+    for layer in model.layers:
+        layer.attn.qkv, layer.attn.o = RowwiseFp8Linear(layer.attn.qkv), RowwiseFp8Linear(layer.attn.o)
+        layer.mlp.gate_up, layer.mlp.down = RowwiseFp8Linear(layer.mlp.gate_up), RowwiseFp8Linear(layer.mlp.down)
+        layer.mlp.silu_mul = silu_mul_ref
     return model
 
 
@@ -146,6 +182,7 @@ def measure(model: Transformer, rows_list: list[int], gbps: float, compiled: boo
 VARIANTS = {
     "bf16": lambda model: model,
     "fp8-static": fp8_static,
+    "fp8-rowwise": fp8_rowwise,
 }
 
 
@@ -166,12 +203,11 @@ def main() -> None:
         "variants": {},
     }
     print(f"HBM read rate {gbps:.0f} GB/s")
-    model = random_model()
     reference: dict[int, torch.Tensor] = {}
-    for name, make in VARIANTS.items():  # in order: each variant may change the model in place
+    for name, make in VARIANTS.items():
         if name not in args.variants.split(","):
             continue
-        variant = make(model)
+        variant = make(random_model())  # the same weights each time (seeded); a variant changes them in place
         try:
             out = measure(variant, rows_list, gbps)
         except Exception as e:  # a variant that does not compile is reported, and measured eager
