@@ -17,15 +17,18 @@ Variants:
   cuBLAS projections);
 - "fp8-static": the same as "bf16" with qkv, gate/up and down in E4M3 with one scale per tensor
   (slm_core.compile.fp8), the input scales calibrated on the bench's own inputs;
-- "fp8-rowwise": every projection (qkv, o, gate/up, down) in E4M3 with a scale per output channel
-  for the weight and one per row computed in the step for the input (RowwiseFp8Linear), SiLU * up
-  left to Inductor so that its quantisation fuses into the same kernel.
+- "prefetch-bulk", "prefetch-lines": the same as "bf16", with spare programs of each layer's
+  attention kernel asking L2 for the weights of the GEMMs after it (slm_kernels.l2_prefetch:
+  Hopper's bulk prefetch, or one prefetch per 128-byte line kept as evict-last).
+Before the variants, each projection alone with its weights cold (from HBM) and hot (from L2):
+what a prefetch can gain at most.
 A candidate joins as another variant: a function of the bf16 model that returns the model to time.
 
     python -m bench.step_bench --out FILE.json [--rows 100,200,400,800] [--variants "bf16,fp8-static"]
 """
 
 import argparse
+import functools
 import json
 
 import torch
@@ -35,7 +38,7 @@ from bench.workloads import QWEN25_05B
 from slm_core.compile.fp8 import calibrate, quantize_linears
 from slm_core.compile.model import Transformer
 from slm_core.spec import ModelSpec
-from slm_kernels.layer_ref import E4M3_MAX, silu_mul_ref
+from slm_kernels.l2_prefetch import BULK, LINES
 
 WIDTH, PROMPT, SUFFIX = 100, 88, 2  # W2: W = 100, prompts of 48-128 tokens; the third of 5 new tokens
 W2 = ModelSpec.from_hf_config(QWEN25_05B)  # W2's model (bench.workloads)
@@ -59,16 +62,12 @@ def random_model() -> Transformer:
 def step_inputs(model: Transformer, rows: int, dev: str = "cuda") -> tuple:
     """A decode step's inputs for rows // WIDTH prompts of PROMPT tokens: last tokens, positions,
     each layer's prompt K/V, the prompts' boundaries and each layer's suffix K/V."""
-    s = model.spec
+    s, dtype = model.spec, model.norm.weight.dtype
     torch.manual_seed(rows)  # the same inputs for every variant
     prompts = rows // WIDTH
     kv = (s.num_kv_heads, s.head_dim)
-    prefix = [
-        tuple(torch.randn(prompts * PROMPT, *kv, device=dev, dtype=torch.bfloat16) for _ in "kv") for _ in model.layers
-    ]
-    suffix = [
-        tuple(torch.randn(rows, SUFFIX, *kv, device=dev, dtype=torch.bfloat16) for _ in "kv") for _ in model.layers
-    ]
+    prefix = [tuple(torch.randn(prompts * PROMPT, *kv, device=dev, dtype=dtype) for _ in "kv") for _ in model.layers]
+    suffix = [tuple(torch.randn(rows, SUFFIX, *kv, device=dev, dtype=dtype) for _ in "kv") for _ in model.layers]
     ids = torch.randint(0, s.vocab_size, (rows,), device=dev)
     positions = torch.full((rows,), PROMPT + SUFFIX, device=dev)
     cu = torch.arange(prompts + 1, device=dev, dtype=torch.int32) * PROMPT
@@ -82,36 +81,49 @@ def fp8_static(model: Transformer) -> Transformer:
     return model
 
 
-class RowwiseFp8Linear(torch.nn.Module):
-    """nn.Linear in E4M3 with a FP32 scale per output channel for the weight and per row for the
-    input, the input's computed from its own rows (no calibration, nothing saturates):
-    y = diag(s_x) q_x q_W^T diag(s_W) + b, one rowwise-scaled GEMM (torch._scaled_mm)."""
+def prefetching(how: int):
+    """A variant: each layer's attention kernel asks L2 (slm_kernels.l2_prefetch, `how`) for the
+    weights of the GEMMs after it, O, gate/up and down, and for the next layer's QKV."""
 
-    def __init__(self, linear: torch.nn.Linear):
-        super().__init__()
-        w = linear.weight.detach().float()
-        scale = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / E4M3_MAX  # [N, 1]
-        self.register_buffer("weight", (w / scale).to(torch.float8_e4m3fn))  # [N, K]: .t() is column-major
-        self.register_buffer("weight_scale", scale.t().contiguous())  # [1, N]
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
-        self.out_dtype = linear.weight.dtype
+    def make(model: Transformer) -> Transformer:
+        from slm_kernels.prefix_attention import prefix_suffix_attention_prefetch
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / E4M3_MAX  # [M, 1]
-        q = (xf / scale).to(torch.float8_e4m3fn)
-        y = torch._scaled_mm(q, self.weight.t(), scale_a=scale, scale_b=self.weight_scale, out_dtype=self.out_dtype)
-        return y if self.bias is None else y + self.bias
+        layers = model.layers
+        for i, layer in enumerate(layers):
+            weights = [layer.attn.o.weight, layer.mlp.gate_up.weight, layer.mlp.down.weight]
+            weights += [layers[i + 1].attn.qkv.weight] if i + 1 < len(layers) else []
+            attend = functools.partial(prefix_suffix_attention_prefetch, prefetch=weights, how=how)
+            layer.attn.ops = layer.attn.ops._replace(prefix_attention=attend)
+        return model
+
+    return make
 
 
-def fp8_rowwise(model: Transformer) -> Transformer:
-    """model with every projection a RowwiseFp8Linear (in place), and SiLU * up in torch ops, so
-    that Inductor fuses down's input quantisation into it."""
-    for layer in model.layers:
-        layer.attn.qkv, layer.attn.o = RowwiseFp8Linear(layer.attn.qkv), RowwiseFp8Linear(layer.attn.o)
-        layer.mlp.gate_up, layer.mlp.down = RowwiseFp8Linear(layer.mlp.gate_up), RowwiseFp8Linear(layer.mlp.down)
-        layer.mlp.silu_mul = silu_mul_ref
-    return model
+# a layer's projections, as the graphs run them (cuBLAS through nn.Linear)
+PROJECTIONS = {
+    "qkv": lambda layer: layer.attn.qkv,
+    "o": lambda layer: layer.attn.o,
+    "gate_up": lambda layer: layer.mlp.gate_up,
+    "down": lambda layer: layer.mlp.down,
+}
+
+
+def l2_probe(model: Transformer, rows_list: list[int], gbps: float) -> dict:
+    """Each projection alone, µs per layer: over the 24 layers' weights in turn (cold: from HBM, as a
+    decode step reads them) and over one layer's weights 24 times (hot: from L2 after the first).
+    The gap is what weights already in L2 could save a GEMM."""
+    out: dict = {}
+    n = len(model.layers)
+    for name, get in PROJECTIONS.items():
+        linears = [get(layer) for layer in model.layers]
+        for rows in rows_list:
+            x = torch.randn(rows, linears[0].in_features, device="cuda", dtype=torch.bfloat16)
+            out.setdefault(name, {})[rows] = {
+                "cold_us": graph_ms(lambda: [lin(x) for lin in linears], calls=5) * 1e3 / n,
+                "hot_us": graph_ms(lambda: [linears[0](x) for _ in linears], calls=5) * 1e3 / n,
+                "floor_us": weight_bytes(linears[0]) / gbps / 1e3,
+            }
+    return out
 
 
 def kernels_per_call(fn, calls: int = 5) -> tuple[float, list]:
@@ -182,7 +194,8 @@ def measure(model: Transformer, rows_list: list[int], gbps: float, compiled: boo
 VARIANTS = {
     "bf16": lambda model: model,
     "fp8-static": fp8_static,
-    "fp8-rowwise": fp8_rowwise,
+    "prefetch-bulk": prefetching(BULK),
+    "prefetch-lines": prefetching(LINES),
 }
 
 
@@ -203,6 +216,13 @@ def main() -> None:
         "variants": {},
     }
     print(f"HBM read rate {gbps:.0f} GB/s")
+    results["l2_probe"] = l2_probe(random_model(), rows_list, gbps)
+    print("each projection alone, us per layer: weights cold (HBM) / hot (L2) / floor")
+    for name, per_rows in results["l2_probe"].items():
+        cells = "  ".join(
+            f"{r} rows {t['cold_us']:5.2f} / {t['hot_us']:5.2f} / {t['floor_us']:4.2f}" for r, t in per_rows.items()
+        )
+        print(f"  {name:8s} {cells}")
     reference: dict[int, torch.Tensor] = {}
     for name, make in VARIANTS.items():
         if name not in args.variants.split(","):

@@ -85,6 +85,85 @@ def test_prefix_suffix_attention_matches_reference_in_interpreter():
     assert len(errors) == len(PREFIX_CASES) and max(errors) < 1e-5, errors
 
 
+PREFETCH_CHECK = r"""
+import json, sys, torch
+from slm_kernels.l2_prefetch import BULK, LINES
+from slm_kernels.prefix_attention import prefix_suffix_attention, prefix_suffix_attention_prefetch
+from slm_kernels.attention_ref import prefix_suffix_attention_ref, random_prefix_inputs
+weights = [torch.randn(50_000), torch.randn(37, 53).to(torch.bfloat16), torch.randn(3), torch.randn(4100, 2)]
+errors = []
+for w, prompts, s, (hq, hkv, d), count, programs in json.loads(sys.argv[1]):
+    torch.manual_seed(w + sum(prompts))
+    q, kp, vp, ks, vs, cu = random_prefix_inputs(w, prompts, s, (hq, hkv, d))
+    plain = prefix_suffix_attention(q, kp, vp, ks, vs, d ** -0.5, cu)
+    for how in (BULK, LINES):
+        out = prefix_suffix_attention_prefetch(q, kp, vp, ks, vs, d ** -0.5, cu, weights[:count], how, programs)
+        assert torch.equal(out, plain), (out - plain).abs().max()
+    errors.append((out - prefix_suffix_attention_ref(q, kp, vp, ks, vs, d ** -0.5, cu)).abs().max().item())
+print(json.dumps(errors))
+"""
+
+PREFETCH_CASES = [
+    (5, [7], 2, (14, 2, 64), 4, 3),  # Qwen2.5-0.5B heads, four tensors over 3 programs
+    (6, [5, 1, 19], 2, (6, 2, 16), 1, 64),  # three prompts: the prefetching programs after all of theirs
+    (33, [40], 5, (8, 1, 32), 2, 1),  # one prefetching program takes every chunk
+]
+
+
+def test_prefix_attention_with_prefetching_programs_answers_as_without_in_interpreter():
+    """The attention with spare programs asking L2 for weights (slm_kernels.l2_prefetch; plain loads
+    under the interpreter) answers exactly as without them, whatever the tensors' sizes and dtypes,
+    the number of prefetching programs and of prompts."""
+    errors = run_check(PREFETCH_CHECK, PREFETCH_CASES)
+    assert len(errors) == len(PREFETCH_CASES) and max(errors) < 1e-5, errors
+
+
+STEP_PREFETCH_CHECK = r"""
+import json, sys, torch
+from bench.step_bench import prefetching, step_inputs, step_layers
+from bench.workloads import QWEN25_05B
+from slm_core.compile.model import Transformer
+from slm_core.spec import ModelSpec
+from slm_kernels.l2_prefetch import BULK
+
+small = dict(num_hidden_layers=3, hidden_size=128, intermediate_size=256, num_attention_heads=4, vocab_size=512)
+spec = ModelSpec.from_hf_config({**QWEN25_05B, **small})
+model = Transformer.empty(spec, 256, torch.float32, "cpu", kernels="triton")
+for name, p in model.named_parameters():
+    p.data.normal_(1.0 if "norm" in name else 0.0, 0.1 if "norm" in name else 0.02)
+inputs = step_inputs(model, 100, "cpu")
+with torch.no_grad():
+    base = step_layers(model)(*inputs)
+    fetched = step_layers(prefetching(BULK)(model))(*inputs)
+layers = model.layers
+asked = [[p.data_ptr() for p in layer.attn.ops.prefix_attention.keywords["prefetch"]] for layer in layers]
+want = [[l.attn.o.weight.data_ptr(), l.mlp.gate_up.weight.data_ptr(), l.mlp.down.weight.data_ptr()] for l in layers]
+want = [w + ([layers[i + 1].attn.qkv.weight.data_ptr()] if i + 1 < len(layers) else []) for i, w in enumerate(want)]
+print(json.dumps([torch.equal(base, fetched), asked == want]))
+"""
+
+
+def test_the_step_bench_prefetch_variant_asks_for_the_next_gemms_weights_and_answers_as_bf16():
+    """bench.step_bench's prefetch candidate: each layer's attention asks for its O, gate/up and down
+    weights and the next layer's QKV, and the decode layers answer exactly as without it."""
+    assert run_check(STEP_PREFETCH_CHECK, []) == [True, True]
+
+
+def test_prefetch_args_take_one_to_four_contiguous_tensors():
+    torch = pytest.importorskip("torch")
+    from slm_kernels.l2_prefetch import BULK, LOADS, SLOTS, prefetch_args
+
+    a, b = torch.zeros(10), torch.zeros(3, 4)
+    args, how = prefetch_args([a, b], BULK)
+    assert args[:4] == [a, 10, b, 12] and args[5::2] == [0, 0] and how == BULK
+    assert prefetch_args([a], LOADS)[1] == LOADS
+    for bad in ([], [a] * (SLOTS + 1), [b.t()]):
+        with pytest.raises(ValueError):
+            prefetch_args(bad, BULK)
+    with pytest.raises(ValueError):
+        prefetch_args([a], 7)
+
+
 QKV_ROPE_CHECK = r"""
 import json, sys, torch
 from slm_kernels.qkv_rope import qkv_rope
