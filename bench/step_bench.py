@@ -19,7 +19,8 @@ Variants:
   (slm_core.compile.fp8), the input scales calibrated on the bench's own inputs;
 - "prefetch-bulk", "prefetch-lines": the same as "bf16", with spare programs of each layer's
   attention kernel asking L2 for the weights of the GEMMs after it (slm_kernels.l2_prefetch:
-  Hopper's bulk prefetch, or one prefetch per 128-byte line kept as evict-last).
+  Hopper's bulk prefetch, or one prefetch per 128-byte line kept as evict-last); "-near": O's
+  and gate/up's weights only (less for L2 to hold).
 Before the variants, each projection alone with its weights cold (from HBM) and hot (from L2):
 what a prefetch can gain at most.
 A candidate joins as another variant: a function of the bf16 model that returns the model to time.
@@ -81,17 +82,18 @@ def fp8_static(model: Transformer) -> Transformer:
     return model
 
 
-def prefetching(how: int):
+def prefetching(how: int, far: bool = True):
     """A variant: each layer's attention kernel asks L2 (slm_kernels.l2_prefetch, `how`) for the
-    weights of the GEMMs after it, O, gate/up and down, and for the next layer's QKV."""
+    weights of the GEMMs after it: O and gate/up, and with `far` down and the next layer's QKV."""
 
     def make(model: Transformer) -> Transformer:
         from slm_kernels.prefix_attention import prefix_suffix_attention_prefetch
 
         layers = model.layers
         for i, layer in enumerate(layers):
-            weights = [layer.attn.o.weight, layer.mlp.gate_up.weight, layer.mlp.down.weight]
-            weights += [layers[i + 1].attn.qkv.weight] if i + 1 < len(layers) else []
+            weights = [layer.attn.o.weight, layer.mlp.gate_up.weight]
+            weights += [layer.mlp.down.weight] if far else []
+            weights += [layers[i + 1].attn.qkv.weight] if far and i + 1 < len(layers) else []
             attend = functools.partial(prefix_suffix_attention_prefetch, prefetch=weights, how=how)
             layer.attn.ops = layer.attn.ops._replace(prefix_attention=attend)
         return model
@@ -196,6 +198,7 @@ VARIANTS = {
     "fp8-static": fp8_static,
     "prefetch-bulk": prefetching(BULK),
     "prefetch-lines": prefetching(LINES),
+    "prefetch-bulk-near": prefetching(BULK, far=False),
 }
 
 
