@@ -16,20 +16,15 @@ Variants:
 - "bf16": the graphs' decode (the Triton attention, QK-norm + RoPE and SiLU * up kernels,
   cuBLAS projections);
 - "fp8-static": the same as "bf16" with qkv, gate/up and down in E4M3 with one scale per tensor
-  (slm_core.compile.fp8), the input scales calibrated on the bench's own inputs;
-- "prefetch-bulk", "prefetch-lines": the same as "bf16", with spare programs of each layer's
-  attention kernel asking L2 for the weights of the GEMMs after it (slm_kernels.l2_prefetch:
-  Hopper's bulk prefetch, or one prefetch per 128-byte line kept as evict-last); "-near": O's
-  and gate/up's weights only (less for L2 to hold).
+  (slm_core.compile.fp8), the input scales calibrated on the bench's own inputs.
 Before the variants, each projection alone with its weights cold (from HBM) and hot (from L2):
-what a prefetch can gain at most.
+what weights already in L2 can save a GEMM at most.
 A candidate joins as another variant: a function of the bf16 model that returns the model to time.
 
     python -m bench.step_bench --out FILE.json [--rows 100,200,400,800] [--variants "bf16,fp8-static"]
 """
 
 import argparse
-import functools
 import json
 
 import torch
@@ -39,7 +34,6 @@ from bench.workloads import QWEN25_05B
 from slm_core.compile.fp8 import calibrate, quantize_linears
 from slm_core.compile.model import Transformer
 from slm_core.spec import ModelSpec
-from slm_kernels.l2_prefetch import BULK, LINES
 
 WIDTH, PROMPT, SUFFIX = 100, 88, 2  # W2: W = 100, prompts of 48-128 tokens; the third of 5 new tokens
 W2 = ModelSpec.from_hf_config(QWEN25_05B)  # W2's model (bench.workloads)
@@ -80,25 +74,6 @@ def fp8_static(model: Transformer) -> Transformer:
     amax = calibrate(model, lambda: [model.decode(*step_inputs(model, rows)) for rows in (100, 400)])
     quantize_linears(model, amax, triton=True)
     return model
-
-
-def prefetching(how: int, far: bool = True):
-    """A variant: each layer's attention kernel asks L2 (slm_kernels.l2_prefetch, `how`) for the
-    weights of the GEMMs after it: O and gate/up, and with `far` down and the next layer's QKV."""
-
-    def make(model: Transformer) -> Transformer:
-        from slm_kernels.prefix_attention import prefix_suffix_attention_prefetch
-
-        layers = model.layers
-        for i, layer in enumerate(layers):
-            weights = [layer.attn.o.weight, layer.mlp.gate_up.weight]
-            weights += [layer.mlp.down.weight] if far else []
-            weights += [layers[i + 1].attn.qkv.weight] if far and i + 1 < len(layers) else []
-            attend = functools.partial(prefix_suffix_attention_prefetch, prefetch=weights, how=how)
-            layer.attn.ops = layer.attn.ops._replace(prefix_attention=attend)
-        return model
-
-    return make
 
 
 # a layer's projections, as the graphs run them (cuBLAS through nn.Linear)
@@ -196,9 +171,6 @@ def measure(model: Transformer, rows_list: list[int], gbps: float, compiled: boo
 VARIANTS = {
     "bf16": lambda model: model,
     "fp8-static": fp8_static,
-    "prefetch-bulk": prefetching(BULK),
-    "prefetch-lines": prefetching(LINES),
-    "prefetch-bulk-near": prefetching(BULK, far=False),
 }
 
 

@@ -14,7 +14,6 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from slm_kernels.l2_prefetch import BULK, prefetch_args, prefetch_l2
 from slm_kernels.online_softmax import launch_options, online_softmax_block
 
 
@@ -125,10 +124,7 @@ def _suffix_keys(
 
 
 @triton.jit
-def _attend(
-    w_block,
-    kv_head,
-    prompt,
+def _prefix_attention_kernel(
     q_ptr,
     kp_ptr,
     vp_ptr,
@@ -159,7 +155,8 @@ def _attend(
     BLOCK_W: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """One program's rows over the whole prompt, then their suffixes, then the output."""
+    """One program: its rows over the whole prompt, then their suffixes, then the output."""
+    w_block, kv_head, prompt = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(cu_ptr + prompt)  # this prompt's K/V rows in the packed prefix
     prefix_len = tl.load(cu_ptr + prompt + 1) - start
     beam, head, ok = _rows(w_block, kv_head, prompt, width, GROUP, GROUP_PAD, BLOCK_W)
@@ -210,97 +207,25 @@ def _attend(
     )
 
 
-@triton.jit
-def _prefix_attention_kernel(
-    q_ptr,
-    kp_ptr,
-    vp_ptr,
-    ks_ptr,
-    vs_ptr,
-    o_ptr,
-    cu_ptr,
-    scale,
-    width,
-    stride_qw,
-    stride_qh,
-    stride_kpt,
-    stride_kph,
-    stride_vpt,
-    stride_vph,
-    stride_ksw,
-    stride_kss,
-    stride_ksh,
-    stride_vsw,
-    stride_vss,
-    stride_vsh,
-    stride_ow,
-    stride_oh,
-    prompts,
-    p0,
-    n0,
-    p1,
-    n1,
-    p2,
-    n2,
-    p3,
-    n3,
-    SUFFIX: tl.constexpr,
-    GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_W: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PREFETCH: tl.constexpr,
-):
-    """Programs (w_block, kv_head, prompt) attend; with PREFETCH (slm_kernels.l2_prefetch's how),
-    those past the last prompt ask L2 for the tensors p0..p3 instead."""
-    w_block, kv_head, prompt = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if prompt < prompts:
-        _attend(
-            w_block,
-            kv_head,
-            prompt,
-            q_ptr,
-            kp_ptr,
-            vp_ptr,
-            ks_ptr,
-            vs_ptr,
-            o_ptr,
-            cu_ptr,
-            scale,
-            width,
-            stride_qw,
-            stride_qh,
-            stride_kpt,
-            stride_kph,
-            stride_vpt,
-            stride_vph,
-            stride_ksw,
-            stride_kss,
-            stride_ksh,
-            stride_vsw,
-            stride_vss,
-            stride_vsh,
-            stride_ow,
-            stride_oh,
-            SUFFIX,
-            GROUP,
-            GROUP_PAD,
-            HEAD_DIM,
-            BLOCK_W,
-            BLOCK_N,
-        )
-    elif PREFETCH:
-        blocks = tl.num_programs(0) * tl.num_programs(1)
-        program = (prompt - prompts) * blocks + kv_head * tl.num_programs(0) + w_block
-        prefetch_l2(p0, n0, p1, n1, p2, n2, p3, n3, program, (tl.num_programs(2) - prompts) * blocks, PREFETCH)
-
-
-def _attention(
-    q, k_prefix, v_prefix, k_suffix, v_suffix, scale, prefix_cu, block_w, block_n, options, prefetch, how, programs
-):
-    """The kernel's launch: prefix_suffix_attention's, and `programs` more asking L2 for `prefetch`
-    (none when the list is empty)."""
+@triton_op("slm::prefix_suffix_attention", mutates_args={})  # exports into AOTInductor graphs
+def prefix_suffix_attention(
+    q: torch.Tensor,
+    k_prefix: torch.Tensor,
+    v_prefix: torch.Tensor,
+    k_suffix: torch.Tensor,
+    v_suffix: torch.Tensor,
+    scale: float,
+    prefix_cu: torch.Tensor,
+    block_w: int = 0,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> torch.Tensor:
+    """q: [B*W, Hq, D]; k/v_prefix: [T, Hkv, D] with prompt b at rows prefix_cu[b]..prefix_cu[b+1]-1;
+    k/v_suffix: [B*W, S, Hkv, D], S >= 0; prefix_cu: [B+1] int32. Returns [B*W, Hq, D]. block_w: beams per
+    program; 0 picks 64 M rows (beams x query heads per kv head, padded to a power of two), the
+    fastest at W=100 and 400 (bench.kernels_bench), or fewer, at least 16, when a prompt has fewer
+    beams (one row per sequence: a prefill's last layer)."""
     rows, hq, d = q.shape
     hkv = k_prefix.shape[1]
     s = k_suffix.shape[1]
@@ -322,12 +247,7 @@ def _attention(
     rows_per_program = min(64, max(16, triton.next_power_of_2(width * group_pad)))  # tl.dot takes M >= 16
     block_w = block_w or max(1, rows_per_program // group_pad)
     out = torch.empty_like(q)
-    blocks = triton.cdiv(width, block_w) * hkv
-    # the prefetching programs come as whole planes of the grid's last axis, after the prompts'
-    extra, (l2_args, how) = (
-        (triton.cdiv(programs, blocks), prefetch_args(prefetch, how)) if prefetch else (0, ([q, 0] * 4, 0))
-    )
-    grid = (triton.cdiv(width, block_w), hkv, prompts + extra)
+    grid = (triton.cdiv(width, block_w), hkv, prompts)
     # No suffix (a prefill's last layer, one row per sequence): its K/V are never read, but an empty
     # CUDA tensor's pointer is null, which a kernel launch may refuse; the prefix's stands in.
     ks, vs = (k_prefix, v_prefix) if s == 0 else (k_suffix, v_suffix)
@@ -356,55 +276,9 @@ def _attention(
         v_suffix.stride(2),
         out.stride(0),
         out.stride(1),
-        prompts,
-        *l2_args,
         SUFFIX=s,
         BLOCK_N=block_n,
-        PREFETCH=how,
         **group,
-        **options,
+        **launch_options(num_warps, num_stages),
     )
     return out
-
-
-@triton_op("slm::prefix_suffix_attention", mutates_args={})  # exports into AOTInductor graphs
-def prefix_suffix_attention(
-    q: torch.Tensor,
-    k_prefix: torch.Tensor,
-    v_prefix: torch.Tensor,
-    k_suffix: torch.Tensor,
-    v_suffix: torch.Tensor,
-    scale: float,
-    prefix_cu: torch.Tensor,
-    block_w: int = 0,
-    block_n: int = 64,
-    num_warps: int = 4,
-    num_stages: int = 3,
-) -> torch.Tensor:
-    """q: [B*W, Hq, D]; k/v_prefix: [T, Hkv, D] with prompt b at rows prefix_cu[b]..prefix_cu[b+1]-1;
-    k/v_suffix: [B*W, S, Hkv, D], S >= 0; prefix_cu: [B+1] int32. Returns [B*W, Hq, D]. block_w: beams per
-    program; 0 picks 64 M rows (beams x query heads per kv head, padded to a power of two), the
-    fastest at W=100 and 400 (bench.kernels_bench), or fewer, at least 16, when a prompt has fewer
-    beams (one row per sequence: a prefill's last layer)."""
-    options = launch_options(num_warps, num_stages)
-    return _attention(q, k_prefix, v_prefix, k_suffix, v_suffix, scale, prefix_cu, block_w, block_n, options, [], 0, 0)
-
-
-@triton_op("slm::prefix_suffix_attention_prefetch", mutates_args={})
-def prefix_suffix_attention_prefetch(
-    q: torch.Tensor,
-    k_prefix: torch.Tensor,
-    v_prefix: torch.Tensor,
-    k_suffix: torch.Tensor,
-    v_suffix: torch.Tensor,
-    scale: float,
-    prefix_cu: torch.Tensor,
-    prefetch: list[torch.Tensor],
-    how: int = BULK,
-    programs: int = 128,
-) -> torch.Tensor:
-    """prefix_suffix_attention with at least `programs` more programs asking L2 for the tensors in
-    `prefetch` (1 to 4, contiguous: the weights of the GEMMs after it), the way `how` says
-    (slm_kernels.l2_prefetch). The attention's programs are dispatched first, so the prefetching
-    ones take the SMs they leave idle."""
-    return _attention(q, k_prefix, v_prefix, k_suffix, v_suffix, scale, prefix_cu, 0, 64, {}, prefetch, how, programs)

@@ -259,31 +259,6 @@ def test_prefix_suffix_attention_bf16_several_prompts():
     assert err <= 1e-2
 
 
-@pytest.mark.parametrize("prompts", [1, 8])
-def test_prefix_attention_prefetching_w2_weights_answers_as_without(prompts):
-    """W2's decode attention with spare programs asking L2 for a layer's weights (bulk and per
-    line; bf16 and E4M3, sizes that end inside a chunk): bit for bit the attention without them."""
-    from slm_kernels.attention_ref import random_prefix_inputs
-    from slm_kernels.l2_prefetch import BULK, LINES
-    from slm_kernels.prefix_attention import prefix_suffix_attention, prefix_suffix_attention_prefetch
-
-    torch.manual_seed(prompts)
-    q, kp, vp, ks, vs, cu = random_prefix_inputs(100, [88] * prompts, 3, (14, 2, 64), "cuda")
-    bf = [x.bfloat16() for x in (q, kp, vp, ks, vs)]
-    weights = [
-        torch.randn(9728, 896, device="cuda", dtype=torch.bfloat16),
-        torch.randn(896, 4864, device="cuda").to(torch.float8_e4m3fn),
-        torch.randn(1152, 896, device="cuda", dtype=torch.bfloat16),
-        torch.randn(4099, device="cuda", dtype=torch.bfloat16),
-    ]
-    plain = prefix_suffix_attention(*bf, 0.125, cu)
-    for how in (BULK, LINES):
-        for programs in (1, 128):
-            got = prefix_suffix_attention_prefetch(*bf, 0.125, cu, weights, how, programs)
-            torch.cuda.synchronize()
-            assert torch.equal(got, plain), (how, programs)
-
-
 @pytest.mark.parametrize(
     "t, heads, norm",
     [(1640, (16, 8, 128), True), (800, (14, 2, 64), False), (400, (9, 3, 64), False), (1, (16, 8, 128), True)],
