@@ -17,8 +17,8 @@ Variants:
   cuBLAS projections);
 - "fp8-static": the same as "bf16" with qkv, gate/up and down in E4M3 with one scale per tensor
   (slm_core.compile.fp8), the input scales calibrated on the bench's own inputs.
-Before the variants, each projection alone with its weights cold (from HBM) and hot (from L2):
-what weights already in L2 can save a GEMM at most.
+Before the variants, each projection alone with its weights cold (from HBM), hot (from L2: what
+weights already in L2 can save a GEMM at most) and stored transposed (another cuBLAS kernel).
 A candidate joins as another variant: a function of the bf16 model that returns the model to time.
 
     python -m bench.step_bench --out FILE.json [--rows 100,200,400,800] [--variants "bf16,fp8-static"]
@@ -85,19 +85,30 @@ PROJECTIONS = {
 }
 
 
-def l2_probe(model: Transformer, rows_list: list[int], gbps: float) -> dict:
-    """Each projection alone, µs per layer: over the 24 layers' weights in turn (cold: from HBM, as a
-    decode step reads them) and over one layer's weights 24 times (hot: from L2 after the first).
-    The gap is what weights already in L2 could save a GEMM."""
+def projection_probe(model: Transformer, rows_list: list[int], gbps: float) -> dict:
+    """Each projection alone, µs per layer and its kernels:
+    - cold: over the 24 layers' weights in turn (from HBM, as a decode step reads them);
+    - hot: over one layer's weights 24 times (from L2 after the first): what weights already in L2
+      could save a GEMM;
+    - cold_nn: the weights stored transposed ([in, out], contiguous) and multiplied untransposed,
+      a layout for which cuBLAS's heuristics may pick another kernel."""
     out: dict = {}
     n = len(model.layers)
     for name, get in PROJECTIONS.items():
         linears = [get(layer) for layer in model.layers]
+        stored = [(lin.weight.t().contiguous(), lin.bias) for lin in linears]  # [in, out]
+
+        def untransposed(x):
+            return [x @ w if b is None else torch.addmm(b, x, w) for w, b in stored]
+
         for rows in rows_list:
-            x = torch.randn(rows, linears[0].in_features, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(rows, linears[0].in_features, device=model.norm.weight.device, dtype=torch.bfloat16)
             out.setdefault(name, {})[rows] = {
                 "cold_us": graph_ms(lambda: [lin(x) for lin in linears], calls=5) * 1e3 / n,
                 "hot_us": graph_ms(lambda: [linears[0](x) for _ in linears], calls=5) * 1e3 / n,
+                "cold_nn_us": graph_ms(lambda: untransposed(x), calls=5) * 1e3 / n,
+                "kernels": kernels_per_call(lambda: [lin(x) for lin in linears], calls=2)[1][:2],
+                "kernels_nn": kernels_per_call(lambda: untransposed(x), calls=2)[1][:2],
                 "floor_us": weight_bytes(linears[0]) / gbps / 1e3,
             }
     return out
@@ -191,13 +202,14 @@ def main() -> None:
         "variants": {},
     }
     print(f"HBM read rate {gbps:.0f} GB/s")
-    results["l2_probe"] = l2_probe(random_model(), rows_list, gbps)
-    print("each projection alone, us per layer: weights cold (HBM) / hot (L2) / floor")
-    for name, per_rows in results["l2_probe"].items():
-        cells = "  ".join(
-            f"{r} rows {t['cold_us']:5.2f} / {t['hot_us']:5.2f} / {t['floor_us']:4.2f}" for r, t in per_rows.items()
-        )
-        print(f"  {name:8s} {cells}")
+    results["projections"] = projection_probe(random_model(), rows_list, gbps)
+    print("each projection alone, us per layer: weights cold (HBM) / hot (L2) / cold, stored transposed / floor")
+    for name, per_rows in results["projections"].items():
+        for r, t in per_rows.items():
+            print(
+                f"  {name:8s} {r:4d} rows {t['cold_us']:6.2f} / {t['hot_us']:6.2f} / {t['cold_nn_us']:6.2f} / "
+                f"{t['floor_us']:4.2f}   {t['kernels'][0][2][:60]} | {t['kernels_nn'][0][2][:60]}"
+            )
     reference: dict[int, torch.Tensor] = {}
     for name, make in VARIANTS.items():
         if name not in args.variants.split(","):
