@@ -16,7 +16,8 @@ Variants:
 - "bf16": the graphs' decode (the Triton attention, QK-norm + RoPE and SiLU * up kernels,
   cuBLAS projections);
 - "fp8-static": the same as "bf16" with qkv, gate/up and down in E4M3 with one scale per tensor
-  (slm_core.compile.fp8), the input scales calibrated on the bench's own inputs.
+  (slm_core.compile.fp8), the input scales calibrated on the bench's own inputs;
+- "bf16-pdl": "bf16" with Inductor's kernels launched with programmatic dependent launch.
 Before the variants, each projection alone with its weights cold (from HBM), hot (from L2: what
 weights already in L2 can save a GEMM at most) and stored transposed (another cuBLAS kernel).
 A candidate joins as another variant: a function of the bf16 model that returns the model to time.
@@ -182,7 +183,12 @@ def measure(model: Transformer, rows_list: list[int], gbps: float, compiled: boo
 VARIANTS = {
     "bf16": lambda model: model,
     "fp8-static": fp8_static,
+    "bf16-pdl": lambda model: model,
 }
+# Inductor settings a variant compiles under. enable_pdl: Inductor's own kernels (the norms, the
+# copies) launch with programmatic dependent launch, so each starts while the kernel before it
+# drains and waits for its results on the device, not for a new launch.
+INDUCTOR = {"bf16-pdl": {"triton.enable_pdl": True}}
 
 
 def main() -> None:
@@ -216,7 +222,8 @@ def main() -> None:
             continue
         variant = make(random_model())  # the same weights each time (seeded); a variant changes them in place
         try:
-            out = measure(variant, rows_list, gbps)
+            with torch._inductor.config.patch(INDUCTOR.get(name, {})):
+                out = measure(variant, rows_list, gbps)
         except Exception as e:  # a variant that does not compile is reported, and measured eager
             print(f"\n{name}: {type(e).__name__}: {str(e)[:2000]}")
             results["variants"][name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
