@@ -110,7 +110,7 @@ def test_the_refusal_names_the_calls_size():
 
 
 def test_a_small_request_meets_a_deadline_that_a_call_at_the_bounds_would_miss(random_checkpoint):
-    """A score task with wide bounds (8 texts of 256 tokens), its calls timed by size on this CPU
+    """A score task with wide bounds (8 texts of 512 tokens), its calls timed by size on this CPU
     as a build times them (time_sizes): a request of four short texts is answered within a
     deadline shorter than a call at the bounds, and one at the bounds is refused at once (504),
     not computed."""
@@ -119,7 +119,7 @@ def test_a_small_request_meets_a_deadline_that_a_call_at_the_bounds_would_miss(r
     from slm_core.compile.checks import time_sizes
 
     ckpt = load_checkpoint(random_checkpoint("qwen2")[0])
-    engine = engine_for(ckpt, task="score", labels=["yes", "no"], max_texts=8, max_text_tokens=256, max_batch=1)
+    engine = engine_for(ckpt, task="score", labels=["yes", "no"], max_texts=8, max_text_tokens=512, max_batch=1)
     small = ["the quick brown fox", "a", "search engines rank documents", "beam search"]
     sizes = time_sizes(engine)
     for _ in range(3):  # the premise, a short request far cheaper, is timed again while other work inflates it
@@ -143,7 +143,7 @@ def test_a_small_request_meets_a_deadline_that_a_call_at_the_bounds_would_miss(r
     assert took < float(deadline), (took, deadline)
     longest = "the lazy dog"
     while not isinstance(engine.task.encode([[longest + " the lazy dog"]])[0], InputError):
-        longest += " the lazy dog"  # the longest text of these words within the 256 tokens
+        longest += " the lazy dog"  # the longest text of these words within the 512 tokens
     at_bounds = json.dumps({"texts": [longest] * 8})
     start = time.perf_counter()
     (refused,) = respond_batch(engine, [Request({"body": at_bounds.encode()}, {HEADER: deadline})], timed)
