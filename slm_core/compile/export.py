@@ -49,7 +49,10 @@ def compile_package(program: ExportedProgram, path: str, progress=None) -> str:
     progress(line), if given, gets where the compile's time went: the compile is most of a
     build, and of the device time a GPU build takes."""
     before = _phase_seconds()
-    with fx_config.patch(backed_size_oblivious=True):
+    # A CPU graph's C++ kernels stay scalar: vectorizing them is a third of a CPU compile (the
+    # index analysis of every kernel under dynamic shapes), while a CPU call's time is its GEMMs,
+    # which are library calls (bench/RESULTS.md). CUDA graphs have no C++ kernels.
+    with fx_config.patch(backed_size_oblivious=True), torch._inductor.config.patch({"cpp.simdlen": 1}):
         out = torch._inductor.aoti_compile_and_package(program, package_path=path)
     if progress is not None:
         spent = {k: v - before.get(k, 0.0) for k, v in _phase_seconds().items()}
