@@ -213,22 +213,26 @@ def test_the_cli_refuses_bad_serving_flags_before_loading_anything(capsys):
     assert main(base) == 2 and "t.yaml" in capsys.readouterr().err
 
 
+class Residual(torch.nn.Module):
+    """A small graph for compile_package: `layers` linears, each with its ReLU and residual add
+    (one fused C++ kernel each on CPU)."""
+
+    def __init__(self, layers: int):
+        super().__init__()
+        self.linears = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(layers))
+
+    def forward(self, x):
+        for linear in self.linears:
+            x = torch.relu(linear(x)) + x
+        return x
+
+
 def test_the_build_says_where_the_compile_time_went(tmp_path):
     """compile_package's progress line: AOTInductor's phases of this compile only, the largest
     first (a CPU compile's time is mostly its C++ compile)."""
     from slm_core.compile.export import compile_package
 
-    class Small(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.linears = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(4))
-
-        def forward(self, x):
-            for linear in self.linears:
-                x = torch.relu(linear(x)) + x
-            return x
-
-    program = torch.export.export(Small(), (torch.randn(4, 32),))
+    program = torch.export.export(Residual(4), (torch.randn(4, 32),))
     said: list[str] = []
     took: list[float] = []
     for name in ("a.pt2", "b.pt2"):
@@ -244,19 +248,11 @@ def test_the_build_says_where_the_compile_time_went(tmp_path):
 
 
 def test_a_cpu_graph_compiles_scalar_cpp_kernels(tmp_path):
-    """compile_package writes a CPU graph's elementwise and reduction kernels without Inductor's
-    SIMD vectorization, which is a third of a CPU compile and none of a CPU call's time."""
+    """compile_package writes a CPU graph's C++ kernels without Inductor's SIMD vectorization,
+    which is a third of a CPU compile and none of a CPU call's time."""
     from slm_core.compile.export import compile_package
 
-    class Small(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.linear = torch.nn.Linear(64, 64)
-
-        def forward(self, x):
-            return (torch.relu(self.linear(x)) + x).softmax(-1)
-
-    program = torch.export.export(Small(), (torch.randn(4, 64),))
+    program = torch.export.export(Residual(1), (torch.randn(4, 32),))
     package = zipfile.ZipFile(compile_package(program, str(tmp_path / "small.pt2")))
     (kernels,) = [package.read(n).decode() for n in package.namelist() if n.endswith(".kernel.cpp")]
     assert "cpp_fused" in kernels and "at::vec" not in kernels
