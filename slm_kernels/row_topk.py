@@ -110,6 +110,10 @@ def row_topk(x: torch.Tensor, k: int, block: int = 8192, num_warps: int = 8) -> 
 def top_k_rows(x: torch.Tensor, k: int, block: int = 8192, num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """row_topk's kernels as a plain function: the op's body."""
     rows, n = x.shape
+    if not isinstance(n, int):
+        # the chunk size and the number of levels follow from the row length: traced with a
+        # symbolic one, they nest into an expression whose range analysis does not finish
+        raise ValueError("row_topk: the row length must be static where the graph is traced (use torch.topk)")
     if not 1 <= k <= n or x.stride(1) != 1 or x.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"row_topk: unsupported k={k} for {tuple(x.shape)} {x.dtype}")
     if block & (block - 1):

@@ -114,7 +114,8 @@ class CatalogGraph(BeamGraph):
         total = (columns.view(b, beams, f + s) + cum[:, :, None]).flatten(1)
         # 2W columns of -inf behind, so that a prompt has 2W candidates however few its beams have
         total = torch.cat([total, torch.full((b, 2 * self.width), -INF, device=total.device)], dim=1)
-        scores, flat, place = top(total, 2 * self.width, self.row_topk)
+        # torch.topk: the columns follow the catalog's fan-out, a dynamic size (row_topk needs a static one)
+        scores, flat, place = top(total, 2 * self.width)
         flat = torch.where(flat < beams * (f + s), flat, 0)
 
         def pick(per_column: torch.Tensor) -> torch.Tensor:  # [R, F+S] -> each candidate's [B, 2W]

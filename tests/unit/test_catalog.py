@@ -340,3 +340,24 @@ def test_smollm2_catalog_of_titles_equals_transformers(tmp_path, smollm2):
                 ),
             )
             assert all(c["text"] == CITIES[int(c["id"].split("-")[1])] for c in ours)
+
+
+@pytest.mark.parametrize("scores", ["vocab", "catalog"])
+def test_a_catalog_graph_exports_with_the_triton_row_top_k(tmp_path, random_checkpoint, scores):
+    """A CUDA build's catalog graph selects with row_topk where a row's length is static; the
+    continuations' row follows the catalog's fan-out, a dynamic size, and takes torch.topk (the
+    op refuses a symbolic length: tracing its chunk plan through one never finished)."""
+    from slm_core.compile.export import export_graph
+    from slm_kernels.row_topk import row_topk
+
+    ckpt = load_checkpoint(random_checkpoint("qwen2")[0])
+    rng = random.Random(2)
+    items = sorted({(rng.randrange(10, 40), rng.randrange(40, 70), rng.randrange(70, 100)) for _ in range(300)})
+    write_catalog(tmp_path / "c.jsonl", [list(i) for i in items])
+    eng = engine_for(
+        ckpt, task="beam", beam_width=8, new_tokens=3, catalog=str(tmp_path / "c.jsonl"), catalog_scores=scores
+    )
+    eng.graph.row_topk = row_topk  # as BeamGraph.build sets it for the Triton kernels
+    program = export_graph(eng.graph, eng.task)
+    ops = [str(n.target) for n in program.graph.nodes if n.op == "call_function"]
+    assert ops.count("slm.row_topk.default") >= 3 and ops.count("aten.topk.default") == 3  # one per step
