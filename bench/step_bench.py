@@ -16,10 +16,9 @@ Variants:
 - "bf16": the graphs' decode (the Triton attention, QK-norm + RoPE and SiLU * up kernels,
   cuBLAS projections);
 - "fp8-static": the same as "bf16" with qkv, gate/up and down in E4M3 with one scale per tensor
-  (slm_core.compile.fp8), the input scales calibrated on the bench's own inputs;
-- "bf16-pdl": "bf16" with Inductor's kernels launched with programmatic dependent launch.
-Before the variants, each projection alone with its weights cold (from HBM), hot (from L2: what
-weights already in L2 can save a GEMM at most) and stored transposed (another cuBLAS kernel).
+  (slm_core.compile.fp8), the input scales calibrated on the bench's own inputs.
+Before the variants, each projection alone with its weights cold (from HBM) and hot (from L2: what
+weights already in L2 can save a GEMM at most).
 A candidate joins as another variant: a function of the bf16 model that returns the model to time.
 
     python -m bench.step_bench --out FILE.json [--rows 100,200,400,800] [--variants "bf16,fp8-static"]
@@ -90,26 +89,17 @@ def projection_probe(model: Transformer, rows_list: list[int], gbps: float) -> d
     """Each projection alone, µs per layer and its kernels:
     - cold: over the 24 layers' weights in turn (from HBM, as a decode step reads them);
     - hot: over one layer's weights 24 times (from L2 after the first): what weights already in L2
-      could save a GEMM;
-    - cold_nn: the weights stored transposed ([in, out], contiguous) and multiplied untransposed,
-      a layout for which cuBLAS's heuristics may pick another kernel."""
+      could save a GEMM."""
     out: dict = {}
     n = len(model.layers)
     for name, get in PROJECTIONS.items():
         linears = [get(layer) for layer in model.layers]
-        stored = [(lin.weight.t().contiguous(), lin.bias) for lin in linears]  # [in, out]
-
-        def untransposed(x):
-            return [x @ w if b is None else torch.addmm(b, x, w) for w, b in stored]
-
         for rows in rows_list:
             x = torch.randn(rows, linears[0].in_features, device=model.norm.weight.device, dtype=torch.bfloat16)
             out.setdefault(name, {})[rows] = {
                 "cold_us": graph_ms(lambda: [lin(x) for lin in linears], calls=5) * 1e3 / n,
                 "hot_us": graph_ms(lambda: [linears[0](x) for _ in linears], calls=5) * 1e3 / n,
-                "cold_nn_us": graph_ms(lambda: untransposed(x), calls=5) * 1e3 / n,
                 "kernels": kernels_per_call(lambda: [lin(x) for lin in linears], calls=2)[1][:2],
-                "kernels_nn": kernels_per_call(lambda: untransposed(x), calls=2)[1][:2],
                 "floor_us": weight_bytes(linears[0]) / gbps / 1e3,
             }
     return out
@@ -183,12 +173,7 @@ def measure(model: Transformer, rows_list: list[int], gbps: float, compiled: boo
 VARIANTS = {
     "bf16": lambda model: model,
     "fp8-static": fp8_static,
-    "bf16-pdl": lambda model: model,
 }
-# Inductor settings a variant compiles under. enable_pdl: Inductor's own kernels (the norms, the
-# copies) launch with programmatic dependent launch, so each starts while the kernel before it
-# drains and waits for its results on the device, not for a new launch.
-INDUCTOR = {"bf16-pdl": {"triton.enable_pdl": True}}
 
 
 def main() -> None:
@@ -209,12 +194,12 @@ def main() -> None:
     }
     print(f"HBM read rate {gbps:.0f} GB/s")
     results["projections"] = projection_probe(random_model(), rows_list, gbps)
-    print("each projection alone, us per layer: weights cold (HBM) / hot (L2) / cold, stored transposed / floor")
+    print("each projection alone, us per layer: weights cold (HBM) / hot (L2) / floor")
     for name, per_rows in results["projections"].items():
         for r, t in per_rows.items():
             print(
-                f"  {name:8s} {r:4d} rows {t['cold_us']:6.2f} / {t['hot_us']:6.2f} / {t['cold_nn_us']:6.2f} / "
-                f"{t['floor_us']:4.2f}   {t['kernels'][0][2][:60]} | {t['kernels_nn'][0][2][:60]}"
+                f"  {name:8s} {r:4d} rows {t['cold_us']:6.2f} / {t['hot_us']:6.2f} / {t['floor_us']:4.2f}   "
+                f"{t['kernels'][0][2][:60]}"
             )
     reference: dict[int, torch.Tensor] = {}
     for name, make in VARIANTS.items():
@@ -222,8 +207,7 @@ def main() -> None:
             continue
         variant = make(random_model())  # the same weights each time (seeded); a variant changes them in place
         try:
-            with torch._inductor.config.patch(INDUCTOR.get(name, {})):
-                out = measure(variant, rows_list, gbps)
+            out = measure(variant, rows_list, gbps)
         except Exception as e:  # a variant that does not compile is reported, and measured eager
             print(f"\n{name}: {type(e).__name__}: {str(e)[:2000]}")
             results["variants"][name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
