@@ -12,6 +12,8 @@ against 1, which would forbid one-token requests in the exported graph.
 
 import torch
 
+from slm_kernels.layer_ref import as_dtype
+
 
 def _to_layout(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     """x.permute(dims) copied into a new contiguous fp32 tensor."""
@@ -46,7 +48,7 @@ def packed_attention_ref(
     s = torch.bmm(qg, _to_layout(k, (1, 2, 0))).view(hkv, g, t, t) * scale  # [Hkv, G, Tq, Tk]
     p = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
     o = torch.bmm(p.view(hkv, g * t, t), _to_layout(v, (1, 0, 2)))  # [Hkv, G*T, D]
-    return _to_layout(o.view(hkv, g, t, d), (2, 0, 1, 3)).view(t, hq, d).to(q.dtype)
+    return as_dtype(_to_layout(o.view(hkv, g, t, d), (2, 0, 1, 3)).view(t, hq, d), q.dtype)
 
 
 def prefix_suffix_attention_ref(
@@ -79,7 +81,7 @@ def prefix_suffix_attention_ref(
     own = sequence_of_tokens(prefix_cu, t)[None, :] == prompt[:, None]  # [B*W, T]
     s_pre = s_pre.masked_fill(~own[None, :, None, :], float("-inf"))
     # Suffix: each beam against its own tokens.
-    q_suf = q.float().reshape(rows * hkv, g, d)
+    q_suf = as_dtype(q, torch.float32).reshape(rows * hkv, g, d)
     k_suf = _to_layout(k_suffix, (0, 2, 3, 1)).view(rows * hkv, d, s_len)
     s_suf = _to_layout(torch.bmm(q_suf, k_suf).view(rows, hkv, g, s_len), (1, 0, 2, 3))  # [Hkv, R, G, S]
     p = torch.softmax(torch.cat([s_pre, s_suf], dim=-1) * scale, dim=-1)  # one softmax over T + S
@@ -87,7 +89,7 @@ def prefix_suffix_attention_ref(
     p_suf = _to_layout(p[..., t:], (1, 0, 2, 3)).view(rows * hkv, g, s_len)
     o_suf = torch.bmm(p_suf, _to_layout(v_suffix, (0, 2, 1, 3)).view(rows * hkv, s_len, d))  # [R*Hkv, G, D]
     o = _to_layout(o_pre.view(hkv, rows, g, d), (1, 0, 2, 3)) + o_suf.view(rows, hkv, g, d)
-    return o.view(rows, hq, d).to(q.dtype)
+    return as_dtype(o.view(rows, hq, d), q.dtype)
 
 
 def random_prefix_inputs(

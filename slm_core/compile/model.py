@@ -16,7 +16,7 @@ from torch import nn
 from slm_core.errors import SpecError
 from slm_core.spec import ModelSpec
 from slm_kernels import packed_attention_ref, prefix_suffix_attention_ref, sequence_of_tokens
-from slm_kernels.layer_ref import qkv_rope_ref, rms_norm_ref, silu_mul_ref
+from slm_kernels.layer_ref import as_dtype, qkv_rope_ref, rms_norm_ref, silu_mul_ref
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -182,7 +182,7 @@ class Transformer(nn.Module):
         return model.eval().requires_grad_(False)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+        return as_dtype(self.cos[positions], dtype), as_dtype(self.sin[positions], dtype)
 
     def prefill(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, list[KV]]:
         """input_ids: [T] packed; cu_seqlens: [N+1] int32. Returns the hidden state of each
