@@ -61,6 +61,7 @@ def catalog_swap(
     thread.join()
     failed = [r for r in records if r.status != 200]
     baseline = [r.ms for r in records if r.status == 200 and r.sent < lead]
+    offset = started[0] - memory.start  # event times count from the load's start, samples from the sampler's
     for k, event in enumerate(events):
         end = events[k + 1]["at"] if k + 1 < len(events) else seconds
         window = [r for r in records if event["at"] <= r.sent < end]
@@ -80,6 +81,7 @@ def catalog_swap(
                 "p99_ms_first_3_s": p99([r.ms for r in window if r.status == 200 and r.sent < event["at"] + 3.0]),
                 "p99_ms": p99([r.ms for r in window if r.status == 200]),
                 "failed": sum(r.status != 200 for r in window),
+                "memory": memory.between(event["at"] + offset, end + offset),  # until the next swap: no growth
             }
         )
     return {

@@ -17,6 +17,7 @@ built into the archive). A request's ids are looked up by the task that runs its
 request is answered wholly by one catalog.
 """
 
+import copy
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -47,11 +48,15 @@ class CatalogTask(BeamTask):
     def __init__(self, spec: TaskSpec, tokenizer: Tokenizer, version: str = BUILT_IN):
         super().__init__(spec, tokenizer)
         self.data_version = version
+        self.catalog = self._load_catalog(spec)
+
+    def _load_catalog(self, spec: TaskSpec) -> ItemTrie:
+        """spec.catalog as a trie, checked against this task's bounds, new_tokens and stop tokens."""
         path = Path(spec.catalog)
-        if path.suffix == ".safetensors":  # a package's, built already
-            self.catalog = ItemTrie.load(path)
+        if path.suffix == ".safetensors":  # a package's or a store's, built already
+            catalog = ItemTrie.load(path)
         else:
-            self.catalog = ItemTrie.from_jsonl(
+            catalog = ItemTrie.from_jsonl(
                 path,
                 self.tokenizer.tokenizer,
                 self.stop_ids,
@@ -60,17 +65,15 @@ class CatalogTask(BeamTask):
                 spec.max_items,
                 spec.max_trie_nodes,
             )
-        if (
-            self.catalog.max_tokens != spec.new_tokens
-            or self.catalog.vocab[: self.catalog.stop_count].tolist() != self.stop_ids
-        ):
+        if catalog.max_tokens != spec.new_tokens or catalog.vocab[: catalog.stop_count].tolist() != self.stop_ids:
             raise SpecError(f"catalog {path} was built for another new_tokens or stop tokens: rebuild it")
         for what, have, bound in (
-            ("items", self.catalog.size, spec.max_items),
-            ("trie nodes", self.catalog.nodes, spec.max_trie_nodes),
+            ("items", catalog.size, spec.max_items),
+            ("trie nodes", catalog.nodes, spec.max_trie_nodes),
         ):
             if have > bound:
                 raise SpecError(f"catalog {path} has {have} {what}, over the task's bound {bound}")
+        return catalog
 
     @classmethod
     def matches(cls, spec) -> bool:
@@ -79,7 +82,14 @@ class CatalogTask(BeamTask):
     def with_data(self, path: "str | Path", version: str) -> "CatalogTask":
         """This task over another catalog (a trie file written by ItemTrie.save), named `version`;
         SpecError where it breaks the task's bounds, new_tokens or stop tokens."""
-        return CatalogTask(replace(self.spec, catalog=str(path)), self.tokenizer.tokenizer, version)
+        spec = replace(self.spec, catalog=str(path))
+        catalog = self._load_catalog(spec)
+        # Everything but the catalog is this task's (a task is not changed once built): a running
+        # worker loads the catalog in a thread beside its calls, and building the tokenizer again
+        # there would hold the GIL for about a second.
+        task = copy.copy(self)
+        task.spec, task.catalog, task.data_version = spec, catalog, version
+        return task
 
     # --- a request's settings --------------------------------------------------------------------
     def settings(self, payload: dict) -> CatalogRequest:

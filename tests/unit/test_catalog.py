@@ -92,6 +92,19 @@ def test_catalog_file_round_trip_and_lookup(tmp_path):
     assert again.lookup(["c", "zz", "a", "c"]) == ([0, 2], 1)
     for x, y in zip(cat.graph_arrays(), again.graph_arrays()):
         assert np.array_equal(x, y)
+    # ids of other byte lengths, one a prefix of another, multi-byte UTF-8: as they were, and found
+    ids = ["sku-10", "sku-1", "café Ω", "x" * 40]
+    cat = ItemTrie.build(ids, [[3], [4], [5], [6]], [1, 2, 3, 4], [0], 1, 100)
+    cat.save(tmp_path / "d.safetensors")
+    again = ItemTrie.load(tmp_path / "d.safetensors")
+    assert [again.item_id(i) for i in range(4)] == ids
+    assert again.lookup(["sku-1", "sku-10", "sku", "café Ω", "x" * 40, "x" * 41]) == ([0, 1, 2, 3], 2)
+    # a file without the id matrix (another layout, another tool's): refused with what to do
+    from safetensors.numpy import save_file
+
+    save_file({"ids": np.frombuffer(b"ab", np.uint8).copy()}, str(tmp_path / "e.safetensors"))
+    with pytest.raises(SpecError, match="publish or build it again"):
+        ItemTrie.load(tmp_path / "e.safetensors")
 
 
 @pytest.mark.parametrize(

@@ -110,8 +110,13 @@ def test_padded_graph_arrays_change_no_answer(setup):
 def test_a_swapped_catalog_answers_as_an_engine_built_on_it(setup):
     eng = fresh(setup)
     before = [len(c) for c in eng.constants]
+    old = eng.task
+    new = old.with_data(saved(setup, "b"), "v2")
+    # only the catalog is new: a worker loads it beside its calls, without building a tokenizer again
+    assert new.tokenizer is old.tokenizer and new.catalog is not old.catalog
+    assert (old.data_version, old.catalog.size, new.catalog.size) == ("archive", len(CATALOGS["a"]), len(CATALOGS["b"]))
     # b fits a's buffers: copied in place
-    assert eng.swap(eng.task.with_data(saved(setup, "b"), "v2")) is True
+    assert eng.swap(new) is True
     assert [len(c) for c in eng.constants] == before
     assert answers(eng, REQUESTS) == answers(setup["engines"]["b"], REQUESTS)
     (result,) = eng.run([eng.task.request({"prompt": PROMPTS[0]})])
