@@ -70,7 +70,7 @@ def build_package(
     graph = step("building the eager graph", lambda: build_graph(ckpt, task, runtime))
     program = step("torch.export", lambda: export_graph(graph, task))
     path = step(
-        f"AOTInductor compile for {dev.type} (2 CPU cores: 1-2 min for a 30-layer score graph, 8-10 for a beam graph)",
+        f"AOTInductor compile for {dev.type} (2 CPU cores: 1-2 min for a 30-layer score graph, ~8 for a beam graph)",
         lambda: compile_package(program, str(out_dir / package.GRAPH), progress),
     )
     eager = Runtime(graph, task, dev)

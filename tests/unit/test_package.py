@@ -2,6 +2,7 @@
 refusal of what a worker cannot run, and archives configured anew from a built one."""
 
 import json
+import re
 import shutil
 import tempfile
 import time
@@ -247,12 +248,17 @@ def test_the_build_says_where_the_compile_time_went(tmp_path):
         assert float(phases["compile_file"]) <= seconds + 0.1  # this compile's, not the process's so far
 
 
-def test_a_cpu_graph_compiles_scalar_cpp_kernels(tmp_path):
+def test_a_cpu_graph_compiles_scalar_cpp_kernels_and_its_wrapper_at_o0(tmp_path):
     """compile_package writes a CPU graph's C++ kernels without Inductor's SIMD vectorization,
-    which is a third of a CPU compile and none of a CPU call's time."""
+    which is a third of a CPU compile and none of a CPU call's time, and compiles its C++ wrapper
+    at -O0 (at -O1 it was most of a 30-layer beam graph's C++ compile)."""
     from slm_core.compile.export import compile_package
 
     program = torch.export.export(Residual(1), (torch.randn(4, 32),))
     package = zipfile.ZipFile(compile_package(program, str(tmp_path / "small.pt2")))
     (kernels,) = [package.read(n).decode() for n in package.namelist() if n.endswith(".kernel.cpp")]
     assert "cpp_fused" in kernels and "at::vec" not in kernels
+    # the compiler's options, as GCC records them in each compile unit's debug info (-g1)
+    (library,) = [package.read(n) for n in package.namelist() if n.endswith(".so")]
+    units = [re.findall(rb" -O[0-3s]\b", unit) for unit in set(re.findall(rb"GNU C\+\+[^\x00]*", library))]
+    assert sorted(units) == [[b" -O0"], [b" -O3"]], units  # the wrapper's, the kernels'
