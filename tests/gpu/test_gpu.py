@@ -148,6 +148,7 @@ def test_cuda_archive_serves_through_torchserve(random_checkpoint, tmp_path):
     assert manifest["kernels"] == "triton" and manifest["task"]["max_batch"] == 4  # the CUDA defaults
     compiled = load_package(unpacked, gpu_id=0, engine=Engine)
     assert compiled.device == torch.device("cuda", 0)
+    assert len(compiled.context.replay.graphs) == 1  # the smallest bucket, called at load
     eager = engine_for(load_checkpoint(folder), "cuda", **task)
     for row, ref in zip(compiled.score(RANDOM_TEXTS), eager.score(RANDOM_TEXTS)):
         assert row == pytest.approx(ref, abs=2e-2)
