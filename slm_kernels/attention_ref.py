@@ -3,8 +3,7 @@
 Both take GQA tensors as they are (q heads grouped over kv heads, K/V never expanded), compute in
 FP32 and return the query dtype. They are the interface the Triton kernels implement and the
 baseline they are tested against; they favour clarity over speed (the prefill one builds a dense
-[T, T] mask, so keep T small outside tests; padded_attention_ref is the same attention per
-sequence, which the CPU graphs run).
+[T, T] mask, so keep T small outside tests).
 
 Layout changes go through `_to_layout` (a copy into a fresh contiguous tensor) rather than
 permute+reshape: a reshape of a permuted tensor makes torch.export guard the dynamic token count
@@ -50,39 +49,6 @@ def packed_attention_ref(
     p = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
     o = torch.bmm(p.view(hkv, g * t, t), _to_layout(v, (1, 0, 2)))  # [Hkv, G*T, D]
     return as_dtype(_to_layout(o.view(hkv, g, t, d), (2, 0, 1, 3)).view(t, hq, d), q.dtype)
-
-
-def padded_attention_ref(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float, max_seqlen: int
-) -> torch.Tensor:
-    """packed_attention_ref computed per sequence, for the CPU graphs: each sequence's tokens in a
-    row of `max_seqlen` (the bound every sequence keeps, as the packed kernel's grid assumes), so
-    the scores are [N, L, L] per head, not the dense [T, T]: at 16 texts of 180 tokens, 16x less
-    work and memory. Tokens past cu_seqlens[N] (a CUDA-graph bucket's padding tail) share one
-    spare slot and come out as zeros; nothing reads them. Same signature as the packed kernel's."""
-    t, hq, d = q.shape
-    hkv = k.shape[1]
-    g = hq // hkv
-    n, width = cu_seqlens.shape[0] - 1, max_seqlen
-    seq = sequence_of_tokens(cu_seqlens, t)
-    starts = cu_seqlens.long()
-    slot = torch.where(seq < n, seq * width + torch.arange(t, device=q.device) - starts[seq], n * width)
-    lengths = (starts[1:] - starts[:-1]).clamp_min(1)  # >= 1: every query row sees a key, no NaN
-
-    def padded(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [N, L, H, D] fp32, zeros between
-        out = x.new_zeros(n * width + 1, x.shape[1], d, dtype=torch.float32)
-        return torch.index_put(out, (slot,), as_dtype(x, torch.float32))[: n * width].view(n, width, x.shape[1], d)
-
-    qg = _to_layout(padded(q).view(n, width, hkv, g, d), (0, 2, 3, 1, 4)).view(n * hkv, g * width, d)
-    kt = _to_layout(padded(k), (0, 2, 3, 1)).view(n * hkv, d, width)
-    s = torch.bmm(qg, kt).view(n, hkv, g, width, width) * scale
-    key = torch.arange(width, device=q.device)
-    allowed = (key[None, :] <= key[:, None])[None] & (key[None, None, :] < lengths[:, None, None])  # [N, Lq, Lk]
-    p = torch.softmax(s.masked_fill(~allowed[:, None, None], float("-inf")), dim=-1)
-    vt = _to_layout(padded(v), (0, 2, 1, 3)).view(n * hkv, width, d)
-    o = torch.bmm(p.view(n * hkv, g * width, width), vt).view(n, hkv, g, width, d)
-    o = _to_layout(o, (0, 3, 1, 2, 4)).view(n * width, hq, d)
-    return as_dtype(torch.cat([o, o.new_zeros(1, hq, d)]).index_select(0, slot), q.dtype)
 
 
 def prefix_suffix_attention_ref(

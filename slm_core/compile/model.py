@@ -15,7 +15,7 @@ from torch import nn
 
 from slm_core.errors import SpecError
 from slm_core.spec import ModelSpec
-from slm_kernels import padded_attention_ref, prefix_suffix_attention_ref, sequence_of_tokens
+from slm_kernels import packed_attention_ref, prefix_suffix_attention_ref, sequence_of_tokens
 from slm_kernels.layer_ref import as_dtype, qkv_rope_ref, rms_norm_ref, silu_mul_ref
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -42,7 +42,7 @@ class Ops(NamedTuple):
 
 
 REFERENCE_OPS = Ops(
-    padded_attention_ref,
+    lambda q, k, v, cu_seqlens, scale, max_seqlen: packed_attention_ref(q, k, v, cu_seqlens, scale),
     prefix_suffix_attention_ref,
     qkv_rope_ref,
     silu_mul_ref,
