@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 
 from slm_core import manifest as package
 from slm_core.errors import SpecError
-from slm_core.serve.replay import CudaGraphs, bucket_grid
+from slm_core.serve.replay import CudaGraphs
 from slm_core.serve.runtime import Runtime
 from slm_core.spec import TaskSpec
 from slm_core.tasks import Task, task_for
@@ -79,12 +79,12 @@ def serving_engine(
         return engine(graph, task, device, headroom=headroom)
     served = engine(graph, task, device, headroom=headroom)
     served.context.replay = CudaGraphs(graph, task, device, served.constants, served.context.stream)
-    # One call now, in the smallest bucket: a process's first call loads the graph's kernels and
-    # sets up cuBLAS and the graphs' memory pool. Left to the first requests, that wait put
-    # answers 200-270 ms after receipt, past an 80 ms deadline (W2's default on an H100). Each
-    # other bucket is captured at its first call.
+    # One call now, of one 1-token sequence (the smallest bucket): a process's first call loads
+    # the graph's kernels and sets up cuBLAS and the graphs' memory pool. Left to the first
+    # requests, that wait put answers 200-270 ms after receipt, past an 80 ms deadline (W2's
+    # default on an H100). Each other bucket is captured at its first call.
     start = time.perf_counter()
-    served.synthetic_call(*bucket_grid(task)[0])
+    served.synthetic_call(1, 1)
     log.info("first call (the smallest bucket, captured) at load in %.2f s", time.perf_counter() - start)
     return served
 
