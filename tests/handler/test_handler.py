@@ -215,7 +215,11 @@ class FakeCuda:
             lambda graph, task, device, replay=None, headroom=0.0: (
                 self.record("engine", (graph, device))
                 or SimpleNamespace(
-                    task=task, device=device, constants=(), context=SimpleNamespace(replay=replay, stream="s")
+                    task=task,
+                    device=device,
+                    constants=(),
+                    context=SimpleNamespace(replay=replay, stream="s"),
+                    synthetic_call=lambda sequences, tokens: self.record("call", (sequences, tokens)),
                 )
             ),
         )
@@ -228,7 +232,8 @@ class FakeCuda:
 def test_worker_places_everything_on_its_gpu(archives, tmp_path, monkeypatch, gpu_id, index):
     """TorchServe gives each worker a gpu_id (round-robin over the GPUs or the archive's
     deviceIds): the worker makes it the current device before anything is loaded, then loads the
-    compiled graph, the CUDA-graph replay and the engine onto cuda:{gpu_id}."""
+    compiled graph, the CUDA-graph replay and the engine onto cuda:{gpu_id}, and makes its first
+    call there before any request's."""
     cuda = FakeCuda(monkeypatch)
     ctx = MockContext(_as_cuda_package(archives, tmp_path), ServingSpec("cuda", 2, 2, 8).model_config())
     ctx.system_properties["gpu_id"] = gpu_id
@@ -241,7 +246,8 @@ def test_worker_places_everything_on_its_gpu(archives, tmp_path, monkeypatch, gp
         ("capability", device),
         ("load", (device, True)),
         ("engine", ("graph", device)),
-        ("replay", (device, "s")),  # on the request context's stream; nothing captured before a call
+        ("replay", (device, "s")),  # on the request context's stream
+        ("call", (1, 1)),  # one call at load, of one 1-token sequence: the process's first call
     ]
 
 
